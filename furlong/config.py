@@ -1,0 +1,288 @@
+"""Every flag of `furlong train/sft/eval`, defined once.
+
+Each dataclass field is one flag: `hf_checkpoint` is `--hf-checkpoint`. The
+CLI (cli.py) is generated from these classes; `validate` raises ValueError
+whose message starts with the offending flag, which the CLI prints as one line
+before exiting with code 2. Names and meanings follow miles (DESIGN.md §1).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def flag(default: Any = None, help: str = "", **meta: Any) -> Any:
+    """A config field; `meta` may carry aliases=[...] or sglang=True (accepted, reported, unused)."""
+    kwargs: dict[str, Any] = {"metadata": {"help": help, **meta}}
+    if isinstance(default, (list, dict)):
+        kwargs["default_factory"] = lambda d=default: type(d)(d)
+    else:
+        kwargs["default"] = default
+    return field(**kwargs)
+
+
+@dataclass
+class DataConfig:
+    hf_checkpoint: str | None = flag(None, "HF checkpoint directory (config.json, safetensors, tokenizer)")
+    prompt_data: str | None = flag(None, "training prompts: .parquet or .jsonl, optional @[a:b] row slice")
+    input_key: str = flag("input", "column holding the prompt (string or chat messages)")
+    label_key: str | None = flag(None, "column holding the label")
+    apply_chat_template: bool = flag(False, "format prompts with the tokenizer's chat template")
+    rollout_shuffle: bool = flag(False, "shuffle prompts each epoch (seeded by --rollout-seed)")
+    rollout_seed: int = flag(42, "seed for prompt shuffling and sampling")
+    rollout_max_prompt_len: int | None = flag(None, "drop prompts longer than this many tokens")
+
+
+@dataclass
+class RewardConfig:
+    rm_type: str | None = flag(None, "built-in reward: math")
+    custom_rm_path: str | None = flag(None, "module.function computing a sample's reward (wins over --rm-type)")
+
+
+@dataclass
+class RolloutConfig:
+    num_rollout: int = flag(1, "number of rollout/train steps")
+    rollout_batch_size: int = flag(8, "prompt groups kept per rollout")
+    n_samples_per_prompt: int = flag(1, "responses generated per prompt")
+    rollout_max_response_len: int = flag(1024, "max generated tokens per response")
+    rollout_temperature: float = flag(1.0, "sampling temperature")
+    rollout_top_p: float = flag(1.0, "nucleus sampling threshold")
+    rollout_top_k: int = flag(-1, "top-k sampling (-1: off)")
+    rollout_stop: list[str] = flag([], "stop strings", nargs="+")
+    rollout_stop_token_ids: list[int] = flag([], "extra stop token ids", nargs="+")
+    over_sampling_batch_size: int | None = flag(None, "groups submitted per generation round (default: rollout batch size)")
+    dynamic_sampling_filter_path: str | None = flag(None, "group filter function (module path)")
+    rollout_num_gpus_per_engine: int = flag(1, "GPUs per rollout engine (built-in engine: one per rank)")
+    rollout_num_gpus: int | None = flag(None, "GPUs for rollout (colocated: same as the actor's)")
+    rollout_kv_fraction: float = flag(0.5, "fraction of free GPU memory the engine's KV cache may take",
+                                      aliases=["--sglang-mem-fraction-static"])
+    rollout_batch_tokens: int = flag(0, "engine max tokens per forward (0: automatic)")
+    sglang_decode_log_interval: int | None = flag(None, "SGLang only", sglang=True)
+    sglang_enable_metrics: bool = flag(False, "SGLang only", sglang=True)
+
+
+@dataclass
+class EvalConfig:
+    eval_interval: int | None = flag(None, "evaluate every K rollouts")
+    eval_prompt_data: list[str] = flag([], "eval sets as name path [name path ...]", nargs="+")
+    n_samples_per_eval_prompt: int = flag(1, "samples per eval prompt")
+    eval_max_response_len: int | None = flag(None, "eval max response tokens (default: rollout's)")
+    eval_temperature: float | None = flag(None, "eval temperature (default: rollout's)")
+    eval_top_p: float | None = flag(None, "eval top-p (default: rollout's)")
+    eval_top_k: int | None = flag(None, "eval top-k (default: rollout's)")
+    eval_input_key: str | None = flag(None, "eval prompt column (default: --input-key)")
+    eval_label_key: str | None = flag(None, "eval label column (default: --label-key)")
+    skip_eval_before_train: bool = flag(False, "no eval before the first rollout")
+
+
+@dataclass
+class AlgoConfig:
+    advantage_estimator: str = flag("grpo", "grpo")
+    disable_grpo_std_normalization: bool = flag(False, "GRPO: only subtract the group mean")
+    eps_clip: float = flag(0.2, "PPO clip range (low)")
+    eps_clip_high: float | None = flag(None, "PPO clip range (high; default --eps-clip)")
+    eps_clip_c: float | None = flag(None, "dual-clip constant c (> 1)")
+    use_kl_loss: bool = flag(False, "add a KL loss against the reference (initial) model")
+    kl_loss_coef: float = flag(0.0, "KL loss coefficient")
+    kl_loss_type: str = flag("k1", "k1 | k2 | k3 | low_var_kl")
+    kl_coef: float = flag(0.0, "KL penalty in the reward (PPO-style); not combined with --kl-loss-coef")
+    entropy_coef: float = flag(0.0, "entropy bonus coefficient")
+    use_tis: bool = flag(False, "truncated importance sampling against the engine's log-probs")
+    tis_clip: float = flag(2.0, "TIS weight cap")
+    calculate_per_token_loss: bool = flag(False, "average the loss over all response tokens of the step")
+    skip_actor_forward_only: bool | None = flag(None, "reuse training log-probs as old log-probs (default: when exact)")
+
+
+@dataclass
+class OptimConfig:
+    optimizer: str = flag("adam", "adam (AdamW)")
+    lr: float = flag(1e-6, "learning rate")
+    min_lr: float = flag(0.0, "floor of the decayed learning rate")
+    lr_decay_style: str = flag("constant", "constant | linear | cosine")
+    lr_warmup_iters: int = flag(0, "warm-up optimizer steps")
+    lr_decay_iters: int | None = flag(None, "decay length in optimizer steps (default: whole run)")
+    weight_decay: float = flag(0.0, "AdamW weight decay")
+    adam_beta1: float = flag(0.9, "Adam beta1")
+    adam_beta2: float = flag(0.95, "Adam beta2")
+    adam_eps: float = flag(1e-8, "Adam epsilon")
+    clip_grad: float = flag(1.0, "gradient norm clip (0: off)")
+
+
+@dataclass
+class BatchConfig:
+    global_batch_size: int | None = flag(None, "samples per optimizer step (default: all kept samples)")
+    num_steps_per_rollout: int | None = flag(None, "optimizer steps per rollout (overrides the global batch size)")
+    micro_batch_size: int = flag(1, "samples per micro-batch without dynamic batching")
+    use_dynamic_batch_size: bool = flag(False, "pack micro-batches by token count")
+    max_tokens_per_gpu: str | None = flag(None, "token budget per micro-batch, or 'auto'")
+    gradient_checkpointing: bool = flag(False, "recompute decoder layers in backward")
+    update_weight_buffer_size: int = flag(512 * 1024**2, "bytes per weight-sync bucket")
+
+
+@dataclass
+class ParallelConfig:
+    actor_num_nodes: int = flag(1, "nodes (beyond 1: launch with torchrun)")
+    actor_num_gpus_per_node: int = flag(1, "worker processes started on this node")
+    colocate: bool = flag(False, "engine and trainer share the GPUs (the built-in engine always does)")
+    train_backend: str = flag("fsdp", "fsdp")
+    device: str = flag("auto", "auto | cpu | cuda")
+    dtype: str = flag("auto", "compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32")
+    seed: int = flag(1234, "trainer seed")
+
+
+@dataclass
+class CheckpointConfig:
+    save: str | None = flag(None, "checkpoint directory")
+    save_interval: int | None = flag(None, "save every K rollouts")
+    load: str | None = flag(None, "resume from this checkpoint directory")
+
+
+@dataclass
+class LogConfig:
+    output_dir: str | None = flag(None, "run directory (default runs/<date-time>)")
+    use_tensorboard: bool = flag(False, "write TensorBoard events")
+    use_wandb: bool = flag(False, "log to Weights & Biases")
+    wandb_project: str | None = flag(None, "wandb project")
+    wandb_group: str | None = flag(None, "wandb group")
+    wandb_key: str | None = flag(None, "wandb API key")
+    disable_wandb_random_suffix: bool = flag(False, "no random suffix on the wandb run name")
+    save_debug_rollout_data: bool = flag(False, "write each training rollout's samples")
+    ci_test: bool = flag(False, "fail the run unless an eval metric reaches the threshold")
+    ci_disable_kl_checker: bool = flag(False, "skip the step-0 ppo_kl ~ 0 check")
+    ci_metric_checker_key: str | None = flag(None, "metric checked by --ci-test")
+    ci_metric_checker_threshold: float | None = flag(None, "threshold for --ci-metric-checker-key")
+
+
+@dataclass
+class SftConfig:
+    num_epoch: int = flag(1, "SFT: passes over the data")
+    sft_max_len: int = flag(2048, "SFT: truncate samples to this many tokens")
+
+
+GROUPS = (DataConfig, RewardConfig, RolloutConfig, EvalConfig, AlgoConfig, OptimConfig,
+          BatchConfig, ParallelConfig, CheckpointConfig, LogConfig, SftConfig)
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    sft: SftConfig = field(default_factory=SftConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def max_tokens_per_gpu_is_auto(self) -> bool:
+        return self.batch.max_tokens_per_gpu == "auto"
+
+    @property
+    def max_tokens_per_gpu(self) -> int | None:
+        v = self.batch.max_tokens_per_gpu
+        return None if v in (None, "auto") else int(v)
+
+    @property
+    def eps_clip_high(self) -> float:
+        return self.algo.eps_clip if self.algo.eps_clip_high is None else self.algo.eps_clip_high
+
+    @property
+    def over_sampling_batch_size(self) -> int:
+        o = self.rollout.over_sampling_batch_size
+        return self.rollout.rollout_batch_size if o is None else o
+
+    def eval_sampling(self) -> dict[str, Any]:
+        """Eval sampling settings, falling back to the rollout's."""
+        r, e = self.rollout, self.eval
+        return {
+            "temperature": r.rollout_temperature if e.eval_temperature is None else e.eval_temperature,
+            "top_p": r.rollout_top_p if e.eval_top_p is None else e.eval_top_p,
+            "top_k": r.rollout_top_k if e.eval_top_k is None else e.eval_top_k,
+            "max_new_tokens": r.rollout_max_response_len if e.eval_max_response_len is None else e.eval_max_response_len,
+        }
+
+    def eval_sets(self) -> list[tuple[str, str]]:
+        items = self.eval.eval_prompt_data
+        return [(items[i], items[i + 1]) for i in range(0, len(items), 2)]
+
+
+def sglang_flags_set(cfg: Config) -> list[str]:
+    """Flags given that only tune SGLang (reported once as not applying)."""
+    out = []
+    for f in dataclasses.fields(RolloutConfig):
+        if f.metadata.get("sglang") and getattr(cfg.rollout, f.name) not in (None, False):
+            out.append("--" + f.name.replace("_", "-"))
+    return out
+
+
+def _need(cond: bool, flag_name: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{flag_name}: {msg}")
+
+
+def validate(cfg: Config, command: str = "train") -> None:
+    """Check flag values and combinations; raise ValueError('--flag: why')."""
+    d, r, a, o, b, p, e = cfg.data, cfg.rollout, cfg.algo, cfg.optim, cfg.batch, cfg.parallel, cfg.eval
+    if command in ("train", "sft", "eval"):
+        _need(d.hf_checkpoint is not None, "--hf-checkpoint", "required")
+    if command in ("train", "sft"):
+        _need(d.prompt_data is not None, "--prompt-data", "required")
+    if command == "train":
+        _need(cfg.reward.rm_type is not None or cfg.reward.custom_rm_path is not None,
+              "--rm-type", "give --rm-type or --custom-rm-path")
+    _need(r.num_rollout >= 0, "--num-rollout", "must be >= 0")
+    _need(r.rollout_batch_size >= 1, "--rollout-batch-size", "must be >= 1")
+    _need(r.n_samples_per_prompt >= 1, "--n-samples-per-prompt", "must be >= 1")
+    _need(r.rollout_max_response_len >= 1, "--rollout-max-response-len", "must be >= 1")
+    _need(r.rollout_temperature >= 0, "--rollout-temperature", "must be >= 0")
+    _need(0 < r.rollout_top_p <= 1, "--rollout-top-p", "must be in (0, 1]")
+    _need(r.rollout_top_k == -1 or r.rollout_top_k >= 1, "--rollout-top-k", "must be -1 (off) or >= 1")
+    _need(cfg.over_sampling_batch_size >= 1, "--over-sampling-batch-size", "must be >= 1")
+    _need(0 < r.rollout_kv_fraction < 1, "--rollout-kv-fraction", "must be in (0, 1)")
+    _need(len(e.eval_prompt_data) % 2 == 0, "--eval-prompt-data", "expects pairs: name path [name path ...]")
+    _need(e.eval_interval is None or e.eval_interval >= 1, "--eval-interval", "must be >= 1")
+    _need(e.n_samples_per_eval_prompt >= 1, "--n-samples-per-eval-prompt", "must be >= 1")
+    _need(a.advantage_estimator == "grpo", "--advantage-estimator", f"unknown estimator {a.advantage_estimator!r} (grpo)")
+    _need(a.kl_loss_type in ("k1", "k2", "k3", "low_var_kl"), "--kl-loss-type",
+          f"unknown type {a.kl_loss_type!r} (k1, k2, k3, low_var_kl)")
+    _need(not (a.kl_coef != 0 and a.kl_loss_coef != 0), "--kl-coef",
+          "cannot be combined with a non-zero --kl-loss-coef (reward penalty and KL loss both on)")
+    _need(a.kl_coef == 0, "--kl-coef", "the reward KL penalty is not implemented; use --use-kl-loss --kl-loss-coef")
+    _need(a.eps_clip > 0, "--eps-clip", "must be > 0")
+    _need(a.eps_clip_c is None or a.eps_clip_c > 1, "--eps-clip-c", "must be > 1")
+    _need(a.tis_clip > 0, "--tis-clip", "must be > 0")
+    _need(o.optimizer == "adam", "--optimizer", f"unknown optimizer {o.optimizer!r} (adam)")
+    _need(o.lr_decay_style in ("constant", "linear", "cosine"), "--lr-decay-style",
+          f"unknown style {o.lr_decay_style!r} (constant, linear, cosine)")
+    _need(o.lr >= 0, "--lr", "must be >= 0")
+    _need(o.clip_grad >= 0, "--clip-grad", "must be >= 0")
+    _need(b.micro_batch_size >= 1, "--micro-batch-size", "must be >= 1")
+    _need(b.global_batch_size is None or b.global_batch_size >= 1, "--global-batch-size", "must be >= 1")
+    _need(b.num_steps_per_rollout is None or b.num_steps_per_rollout >= 1, "--num-steps-per-rollout", "must be >= 1")
+    if b.max_tokens_per_gpu is not None and b.max_tokens_per_gpu != "auto":
+        try:
+            ok = int(b.max_tokens_per_gpu) >= 1
+        except ValueError:
+            ok = False
+        _need(ok, "--max-tokens-per-gpu", f"expected a positive integer or 'auto', got {b.max_tokens_per_gpu!r}")
+    _need(not b.use_dynamic_batch_size or b.max_tokens_per_gpu is not None, "--use-dynamic-batch-size",
+          "needs --max-tokens-per-gpu")
+    _need(b.update_weight_buffer_size >= 1024, "--update-weight-buffer-size", "must be >= 1024 bytes")
+    _need(p.train_backend == "fsdp", "--train-backend", f"unknown backend {p.train_backend!r} (fsdp)")
+    _need(p.actor_num_gpus_per_node >= 1, "--actor-num-gpus-per-node", "must be >= 1")
+    _need(p.actor_num_nodes >= 1, "--actor-num-nodes", "must be >= 1")
+    _need(p.device in ("auto", "cpu", "cuda"), "--device", f"unknown device {p.device!r}")
+    _need(p.dtype in ("auto", "bf16", "fp32"), "--dtype", f"unknown dtype {p.dtype!r}")
+    _need(cfg.ckpt.save_interval is None or cfg.ckpt.save is not None, "--save-interval", "needs --save")
+    if cfg.log.ci_test:
+        _need(cfg.log.ci_metric_checker_key is not None, "--ci-metric-checker-key", "required with --ci-test")
+        _need(cfg.log.ci_metric_checker_threshold is not None, "--ci-metric-checker-threshold", "required with --ci-test")
+    _need(cfg.sft.num_epoch >= 1, "--num-epoch", "must be >= 1")

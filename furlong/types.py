@@ -1,0 +1,103 @@
+"""Typed records the stages of the RL step hand each other (DESIGN.md §2).
+
+prompt data ──► Prompt ──rollout──► Sample (grouped in Group) ──advantages──►
+TrainSample ──packing──► MicroBatch ──loss──► StepMetrics
+
+Shapes use T = packed tokens of a micro-batch, P = prompt tokens, R = response
+tokens of one sample, N = samples in a micro-batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Prompt:
+    """One row of a prompt data set, ready for generation."""
+    row: int                     # row index in the (sliced) source file
+    raw: Any                     # the input-key value: chat messages (list of dicts) or a string
+    text: str                    # prompt text after the chat template (if any)
+    token_ids: list[int]         # [P]
+    label: str                   # the label-key value as a string ("" when absent)
+
+
+@dataclass
+class Sample:
+    """One generated response to a prompt."""
+    prompt: Prompt
+    group_id: int                # which group (prompt occurrence) within the rollout
+    index: int                   # position within its group, 0..n-1
+    response_ids: list[int]      # [R] generated tokens, including a final EOS/stop token if produced
+    response_text: str           # decoded response (special tokens kept)
+    rollout_log_probs: list[float]  # [R] engine log-probs of the sampled tokens (after temperature)
+    finish_reason: str           # "stop" (EOS or stop string) | "length" (hit max response length)
+    reward: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt.token_ids) + len(self.response_ids)
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+
+@dataclass
+class Group:
+    """The n samples of one prompt; GRPO normalizes rewards within it."""
+    group_id: int
+    samples: list[Sample]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.samples]
+
+
+@dataclass
+class TrainSample:
+    """A sample in trainer form. Per-response-token fields have length R."""
+    token_ids: torch.Tensor          # [P+R] int64, prompt then response
+    num_prompt_tokens: int           # P
+    advantages: torch.Tensor         # [R] float32 (GRPO: the sample's advantage repeated)
+    rollout_log_probs: torch.Tensor  # [R] float32, from the engine
+    old_log_probs: torch.Tensor | None = None   # [R] float32, policy before the step (None: reuse)
+    ref_log_probs: torch.Tensor | None = None   # [R] float32, reference model (KL loss only)
+    loss_mask: torch.Tensor | None = None       # [R] float32, 1 = token trains (None: all ones)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.numel())
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.token_ids.numel()) - self.num_prompt_tokens
+
+
+@dataclass
+class MicroBatch:
+    """Samples packed into one row. Position t's hidden state predicts targets[t].
+
+    All per-position tensors are [T] and aligned: targets[t] = token t+1 of the
+    same sample (0 at a sample's last position), and loss_weight[t] = 0 wherever
+    targets[t] is not a trained response token. An empty micro-batch (T = 0)
+    pads a rank up to the common micro-batch count and contributes nothing.
+    """
+    input_ids: torch.Tensor       # [T] int64
+    position_ids: torch.Tensor    # [T] int64, restarting at 0 per sample
+    cu_seqlens: torch.Tensor      # [N+1] int32, sample boundaries in the packed row
+    max_seqlen: int               # longest sample in the row
+    targets: torch.Tensor         # [T] int64
+    loss_weight: torch.Tensor     # [T] float32, aggregation weight of each token's loss (0 = no loss)
+    response_mask: torch.Tensor   # [T] float32, 1 where targets[t] is a trained response token
+    advantages: torch.Tensor      # [T] float32
+    old_log_probs: torch.Tensor | None     # [T] float32 (None: reuse the training forward's)
+    rollout_log_probs: torch.Tensor        # [T] float32
+    ref_log_probs: torch.Tensor | None     # [T] float32
+    sample_indices: list[int] = field(default_factory=list)  # indices into the step's TrainSample list
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
