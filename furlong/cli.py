@@ -1,0 +1,168 @@
+"""The `furlong` command: subcommands, with the run flags generated from config.py.
+
+Every error a user can cause (bad flag, bad file, bad row) ends as one line on
+stderr and exit code 2; nothing is written before the inputs have been checked.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any, Callable, Sequence
+
+from furlong.config import Config, sglang_flags_set, validate
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports errors as a single line (no usage dump) and exits 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{self.prog}: {message}")
+
+
+class UsageError(Exception):
+    pass
+
+
+def _flag_kwargs(f: dataclasses.Field) -> dict[str, Any]:
+    t = str(f.type).replace(" ", "")
+    help_ = f.metadata.get("help", "")
+    if t.startswith("bool"):
+        return {"action": "store_true", "help": help_}
+    if t.startswith("list[int]"):
+        return {"nargs": f.metadata.get("nargs", "+"), "type": int, "help": help_}
+    if t.startswith("list["):
+        return {"nargs": f.metadata.get("nargs", "+"), "type": str, "help": help_}
+    base = t.split("|")[0]
+    conv: Callable[[str], Any] = {"int": int, "float": float, "str": str}[base]
+    return {"type": conv, "help": help_}
+
+
+def _config_groups() -> list[tuple[str, type]]:
+    return [(f.name, f.default_factory) for f in dataclasses.fields(Config)]  # type: ignore[misc]
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    for attr, cls in _config_groups():
+        group = parser.add_argument_group(attr)
+        for f in dataclasses.fields(cls):
+            names = ["--" + f.name.replace("_", "-")] + list(f.metadata.get("aliases", []))
+            group.add_argument(*names, dest=f"{attr}.{f.name}", default=argparse.SUPPRESS, **_flag_kwargs(f))
+
+
+def config_from_namespace(ns: argparse.Namespace) -> Config:
+    cfg = Config()
+    for key, value in vars(ns).items():
+        if "." in key:
+            attr, name = key.split(".", 1)
+            setattr(getattr(cfg, attr), name, value)
+    return cfg
+
+
+def parse_config(argv: Sequence[str], command: str = "train") -> Config:
+    """Flags -> validated Config (raises UsageError / ValueError)."""
+    parser = _Parser(prog=f"furlong {command}", add_help=False)
+    add_config_flags(parser)
+    cfg = config_from_namespace(parser.parse_args(list(argv)))
+    validate(cfg, command)
+    return cfg
+
+
+def _build_parser() -> _Parser:
+    p = _Parser(prog="furlong", description="RL post-training for HF causal LMs")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, about in (("train", "GRPO training (miles flags)"), ("sft", "supervised fine-tuning"),
+                        ("eval", "evaluate a checkpoint on --eval-prompt-data")):
+        sp = sub.add_parser(name, help=about, add_help=True)
+        add_config_flags(sp)
+    prep = sub.add_parser("prepare", help="write prompt data sets")
+    psub = prep.add_subparsers(dest="task", required=True, parser_class=_Parser)
+    g = psub.add_parser("gsm8k", help="GSM8K jsonl -> parquet (messages + label)")
+    g.add_argument("--input", required=True)
+    g.add_argument("--output", required=True)
+    s = psub.add_parser("synthetic", help="synthetic arithmetic word problems (GSM8K format)")
+    s.add_argument("--output", required=True)
+    s.add_argument("--num-train", type=int, default=2000)
+    s.add_argument("--num-test", type=int, default=200)
+    s.add_argument("--seed", type=int, default=0)
+    sc = sub.add_parser("score", help="score responses offline")
+    sc.add_argument("--rm-type", default="math")
+    sc.add_argument("--input", required=True)
+    sc.add_argument("--response-key", default="response")
+    sc.add_argument("--label-key", default="label")
+    sc.add_argument("--output", default=None)
+    d = sub.add_parser("demo", help="tiny end-to-end demo: SFT then GRPO on synthetic arithmetic")
+    d.add_argument("--output-dir", default=None)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--quick", action="store_true", help="smaller, faster settings (tests)")
+    b = sub.add_parser("bench", help="benchmark one RL step of a workload file")
+    b.add_argument("--workload", required=True)
+    b.add_argument("--output", default=None)
+    b.add_argument("--parts", default="all")
+    e = sub.add_parser("export", help="checkpoint -> HF checkpoint")
+    e.add_argument("--load", required=True)
+    e.add_argument("--output", required=True)
+    e.add_argument("--hf-checkpoint", required=True, help="the original checkpoint (config and tokenizer)")
+    return p
+
+
+def _run(argv: list[str]) -> int:
+    if argv and argv[0] in ("train", "sft", "eval"):
+        command, rest = argv[0], argv[1:]
+        if "-h" in rest or "--help" in rest:
+            _build_parser().parse_args([command, "--help"])
+        cfg = parse_config(rest, command)
+        notes = sglang_flags_set(cfg)
+        if notes:
+            print(f"furlong: note: {' '.join(notes)} only tune SGLang and do not apply to the built-in engine",
+                  file=sys.stderr)
+        from furlong import entry
+        return {"train": entry.train, "sft": entry.sft, "eval": entry.evaluate}[command](cfg)
+    args = _build_parser().parse_args(argv)
+    if args.command == "prepare":
+        if args.task == "gsm8k":
+            from furlong.tasks.gsm8k import prepare_gsm8k
+            counts = prepare_gsm8k(args.input, args.output)
+        else:
+            from furlong.tasks.synthetic import prepare_synthetic
+            counts = prepare_synthetic(args.output, args.num_train, args.num_test, args.seed)
+        print(f"prepare {args.task}: wrote " + ", ".join(f"{k} {v} rows" for k, v in counts.items())
+              + f" to {args.output}")
+        return 0
+    if args.command == "score":
+        from furlong.rewards.offline import run_score
+        rep = run_score(args.input, args.rm_type, args.response_key, args.label_key, args.output)
+        print(f"score: {rep.num_correct}/{rep.num_rows} correct, accuracy {100 * rep.accuracy:.1f}%")
+        return 0
+    if args.command == "demo":
+        from furlong.demo import run_demo
+        return run_demo(args.output_dir, seed=args.seed, quick=args.quick)
+    if args.command == "bench":
+        from furlong.bench import run_bench
+        return run_bench(args.workload, args.output, args.parts)
+    if args.command == "export":
+        from furlong.export import export_hf
+        export_hf(args.load, args.output, args.hf_checkpoint)
+        print(f"export: wrote {args.output}")
+        return 0
+    raise UsageError(f"furlong: unknown command {args.command!r}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _run(argv)
+    except UsageError as e:
+        print(f"{e}", file=sys.stderr)
+        return EXIT_USAGE
+    except (ValueError, FileNotFoundError) as e:
+        # Input errors: one line, no traceback. Programming errors (other types) keep their traceback.
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"furlong: error: {msg}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

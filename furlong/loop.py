@@ -1,0 +1,170 @@
+"""The RL loop of DESIGN.md §2, top to bottom.
+
+Every rank runs this same loop. Rollout is data-parallel (each rank generates
+its share of prompt groups, then all ranks exchange them), so every rank holds
+the same kept groups; the actor then splits the samples token-balanced across
+ranks for training. Only rank 0 writes files.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from furlong.config import Config
+from furlong.metrics import MetricsLogger, Progress, progress_line
+from furlong.run_setup import RunParts, build_run, write_eval_samples
+from furlong.train.advantages import get_advantage_fn
+from furlong.types import Group, TrainSample
+
+
+def to_train_samples(groups: list[Group], cfg: Config) -> list[TrainSample]:
+    """Groups -> trainer samples with per-token advantages (GRPO: one value per sample)."""
+    rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # [G, n]
+    adv = get_advantage_fn(cfg.algo.advantage_estimator)(rewards, not cfg.algo.disable_grpo_std_normalization)
+    out = []
+    for gi, g in enumerate(groups):
+        for si, s in enumerate(g.samples):
+            num_r = len(s.response_ids)
+            out.append(TrainSample(
+                token_ids=torch.tensor(s.prompt.token_ids + s.response_ids, dtype=torch.long),
+                num_prompt_tokens=len(s.prompt.token_ids),
+                advantages=torch.full((num_r,), float(adv[gi, si])),
+                rollout_log_probs=torch.tensor(s.rollout_log_probs, dtype=torch.float32),
+            ))
+    return out
+
+
+@dataclass
+class CiChecker:
+    """--ci-test: some eval must reach the threshold; step 0's ppo_kl must be ~0 unless disabled."""
+    key: str | None
+    threshold: float | None
+    check_kl: bool
+    best: float | None = None
+
+    def observe(self, metrics: dict[str, float]) -> None:
+        if self.key is not None and self.key in metrics:
+            v = metrics[self.key]
+            self.best = v if self.best is None else max(self.best, v)
+
+    def check_first_step_kl(self, ppo_kl: float) -> None:
+        # With old log-probs from the same weights the ratio is exactly 1 at the first micro-batch.
+        if self.check_kl and abs(ppo_kl) > 1e-6:
+            raise CiFailure(f"--ci-test: ppo_kl at step 0 is {ppo_kl:.3g}, expected 0 "
+                            "(old and new log-probs disagree; --ci-disable-kl-checker skips this)")
+
+    def final(self) -> None:
+        if self.key is None:
+            return
+        if self.best is None:
+            raise CiFailure(f"--ci-metric-checker-key: no eval produced {self.key!r}")
+        if self.best < self.threshold:
+            raise CiFailure(f"--ci-test: best {self.key} = {self.best:.4f} < threshold {self.threshold}")
+
+
+class CiFailure(RuntimeError):
+    pass
+
+
+def _run_evals(parts: RunParts, rollout_id: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for name, prompts in parts.eval_sets:
+        res = parts.run_eval(name, prompts)
+        out[f"eval/{name}"] = res.score
+        if parts.ctx.rank == 0:
+            write_eval_samples(parts.output_dir, name, rollout_id, res.samples)
+    return out
+
+
+def run_rl(cfg: Config, ctx) -> int:
+    parts = build_run(cfg, ctx, with_actor=True)   # validates every input before anything is written
+    actor, logger = parts.actor, parts.logger
+    ci = CiChecker(cfg.log.ci_metric_checker_key if cfg.log.ci_test else None,
+                   cfg.log.ci_metric_checker_threshold, cfg.log.ci_test and not cfg.log.ci_disable_kl_checker)
+    num_rollout = cfg.rollout.num_rollout
+    progress = Progress(num_rollout, start_step=parts.start_rollout)
+    eval_every = cfg.eval.eval_interval
+
+    if parts.eval_sets and not cfg.eval.skip_eval_before_train and parts.start_rollout == 0:
+        t = time.perf_counter()
+        m = _run_evals(parts, -1)
+        ci.observe(m)
+        logger.log(0, {**m, "perf/eval_time": time.perf_counter() - t}, kind="eval")
+        logger.line("[eval before training] " + " | ".join(f"{k} {v:.3f}" for k, v in m.items()))
+
+    for rollout_id in range(parts.start_rollout, num_rollout):
+        t_step = time.perf_counter()
+        batch = parts.rollout(rollout_id)
+        t_rollout = time.perf_counter() - t_step
+
+        samples = to_train_samples(batch.groups, cfg)
+        t = time.perf_counter()
+        if not actor.reuses_log_probs(len(samples)):
+            for s, lp in zip(samples, actor.compute_log_probs(samples, which="old")):
+                s.old_log_probs = lp
+        if cfg.algo.use_kl_loss:
+            for s, lp in zip(samples, actor.compute_log_probs(samples, which="ref")):
+                s.ref_log_probs = lp
+        t_logp = time.perf_counter() - t
+
+        t = time.perf_counter()
+        tm = actor.train_step(samples)
+        t_train = time.perf_counter() - t
+        if rollout_id == 0:
+            ci.check_first_step_kl(tm.ppo_kl)
+
+        t = time.perf_counter()
+        parts.sync_weights()
+        t_sync = time.perf_counter() - t
+
+        metrics = {**batch.metrics.as_dict(), **tm.as_dict()}
+        if cfg.log.save_debug_rollout_data and ctx.rank == 0:
+            write_eval_samples(parts.output_dir, "train", rollout_id,
+                               [s for g in batch.groups for s in g.samples], prefix="rollout")
+        if eval_every is not None and parts.eval_sets and (rollout_id + 1) % eval_every == 0:
+            te = time.perf_counter()
+            m = _run_evals(parts, rollout_id)
+            ci.observe(m)
+            metrics.update(m)
+            metrics["perf/eval_time"] = time.perf_counter() - te
+        if cfg.ckpt.save is not None and cfg.ckpt.save_interval and (rollout_id + 1) % cfg.ckpt.save_interval == 0:
+            parts.save(rollout_id)
+
+        step_time = time.perf_counter() - t_step
+        num_train_tokens = sum(s.num_tokens for s in samples)
+        metrics.update({
+            "perf/rollout_time": t_rollout, "perf/log_probs_time": t_logp, "perf/actor_train_time": t_train,
+            "perf/update_weights_time": t_sync, "perf/step_time": step_time,
+            "perf/rollout_tok_per_s": batch.metrics.num_generated_tokens / max(t_rollout, 1e-9),
+            "perf/actor_train_tok_per_s": num_train_tokens / max(t_train, 1e-9),
+            "perf/actor_train_mfu": parts.mfu(num_train_tokens, t_train),
+        })
+        if torch.cuda.is_available():
+            metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            torch.cuda.reset_peak_memory_stats()
+        logger.log(rollout_id, metrics)
+        logger.line(progress_line(rollout_id, num_rollout, metrics, progress.eta(rollout_id + 1)))
+
+    if cfg.ckpt.save is not None and num_rollout > parts.start_rollout and not (
+            cfg.ckpt.save_interval and num_rollout % cfg.ckpt.save_interval == 0):
+        parts.save(num_rollout - 1)   # always leave the final state on disk
+    logger.close()
+    ci.final()
+    return 0
+
+
+def run_eval_only(cfg: Config, ctx) -> int:
+    """`furlong eval`: the eval sets of --eval-prompt-data on --hf-checkpoint."""
+    if not cfg.eval.eval_prompt_data:
+        raise ValueError("--eval-prompt-data: required for furlong eval")
+    parts = build_run(cfg, ctx, with_actor=False)
+    m = _run_evals(parts, -1)
+    parts.logger.log(0, m, kind="eval")
+    if ctx.rank == 0:
+        print(json.dumps(m))
+    parts.logger.close()
+    return 0
