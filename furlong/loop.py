@@ -103,7 +103,7 @@ def run_rl(cfg: Config, ctx) -> int:
 
         samples = to_train_samples(batch.groups, cfg)
         t = time.perf_counter()
-        if not actor.reuses_log_probs(len(samples)):
+        if not actor.reuses_old_log_probs(len(samples)):
             for s, lp in zip(samples, actor.compute_log_probs(samples, which="old")):
                 s.old_log_probs = lp
         if cfg.algo.use_kl_loss:
@@ -121,7 +121,7 @@ def run_rl(cfg: Config, ctx) -> int:
         parts.sync_weights()
         t_sync = time.perf_counter() - t
 
-        metrics = {**batch.metrics.as_dict(), **tm.as_dict()}
+        metrics = {**batch.metrics.as_log(), **tm.to_log()}
         if cfg.log.save_debug_rollout_data and ctx.rank == 0:
             write_eval_samples(parts.output_dir, "train", rollout_id,
                                [s for g in batch.groups for s in g.samples], prefix="rollout")

@@ -1,0 +1,108 @@
+"""Causal attention over a packed row: samples concatenated, bounded by cu_seqlens.
+
+Two implementations, picked in `select_packed_impl` (the one place):
+  "varlen":     torch.nn.attention.varlen.varlen_attn (flash-attention kernel),
+                used on CUDA with bf16/fp16 when this torch provides it.
+  "per_sample": scaled_dot_product_attention(is_causal=True) on each sample's
+                segment in turn; the CPU/fp32 path and the exact reference.
+Attention never crosses a sample boundary in either. The varlen signature
+changed across torch versions; it is inspected once at import: newer versions
+take `window_size=(-1, 0)` for causal (and may take `enable_gqa`), torch 2.9/2.10
+take `is_causal=True`. Without `enable_gqa`, K/V heads are expanded for GQA.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def _probe_varlen() -> tuple[Callable | None, dict, bool]:
+    """(varlen_attn or None, causal kwargs, supports enable_gqa) for this torch."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, {}, False
+    try:
+        params = inspect.signature(varlen_attn).parameters
+    except (TypeError, ValueError):
+        return None, {}, False
+    if "window_size" in params:
+        causal = {"window_size": (-1, 0)}
+    elif "is_causal" in params:
+        causal = {"is_causal": True}
+    else:
+        return None, {}, False
+    if "scale" not in params:
+        return None, {}, False
+    return varlen_attn, causal, "enable_gqa" in params
+
+
+_VARLEN_FN, _VARLEN_CAUSAL, _VARLEN_GQA = _probe_varlen()   # constants for this process
+
+
+def expand_kv(x: torch.Tensor, num_groups: int, head_dim_axis: int) -> torch.Tensor:
+    """Repeat each KV head `num_groups` times along axis `head_dim_axis` (GQA -> MHA)."""
+    if num_groups == 1:
+        return x
+    return x.repeat_interleave(num_groups, dim=head_dim_axis)
+
+
+def _per_sample(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+    groups = q.shape[1] // k.shape[1]
+    k, v = expand_kv(k, groups, 1), expand_kv(v, groups, 1)
+    # .tolist() syncs with the device; this path runs on CPU (or as a test reference).
+    bounds = [0, cu_seqlens.tolist()[-1]]
+    out = torch.zeros_like(q)   # positions past cu_seqlens[-1] (if any) stay 0
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end <= start:
+            continue
+        seg = lambda t: t[start:end].transpose(0, 1)     # [H, L, D]
+        o = F.scaled_dot_product_attention(seg(q), seg(k), seg(v), is_causal=True)
+        out[start:end] = o.transpose(0, 1)
+    return out
+
+
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+    groups = q.shape[1] // k.shape[1]
+    extra = {}
+    if groups > 1 and _VARLEN_GQA:
+        extra["enable_gqa"] = True
+    else:
+        k, v = expand_kv(k, groups, 1), expand_kv(v, groups, 1)
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    return _VARLEN_FN(q, k, v, cu, cu, max_seqlen, max_seqlen,
+                      scale=1.0 / math.sqrt(q.shape[-1]), **_VARLEN_CAUSAL, **extra)
+
+
+_PACKED_IMPLS: dict[str, Callable[..., torch.Tensor]] = {"varlen": _varlen, "per_sample": _per_sample}
+
+
+def select_packed_impl(q: torch.Tensor) -> str:
+    """The fastest exact implementation available for this tensor."""
+    if _VARLEN_FN is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        return "varlen"
+    return "per_sample"
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                     max_seqlen: int, impl: str | None = None) -> torch.Tensor:
+    """Causal attention within each packed sample.
+
+    q [T, Hq, D], k/v [T, Hkv, D] (Hq a multiple of Hkv); cu_seqlens [N+1] int32
+    sample boundaries with cu_seqlens[-1] == T; returns [T, Hq, D].
+    `impl` forces "varlen" or "per_sample" (tests); default: `select_packed_impl`.
+    """
+    if q.shape[0] == 0:
+        return q.new_empty(q.shape)
+    name = impl or select_packed_impl(q)
+    if name not in _PACKED_IMPLS:
+        raise ValueError(f"packed attention impl {name!r} unknown (choose from {sorted(_PACKED_IMPLS)})")
+    if name == "varlen" and _VARLEN_FN is None:
+        raise ValueError("packed attention impl 'varlen' needs torch.nn.attention.varlen.varlen_attn")
+    return _PACKED_IMPLS[name](q, k, v, cu_seqlens, max_seqlen)

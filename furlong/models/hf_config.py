@@ -1,0 +1,169 @@
+"""ModelArgs: the decoder's hyper-parameters, parsed from an HF `config.json`.
+
+One decoder serves the Llama, Qwen2 and Qwen3 families; they differ only in a
+few switches, set per `model_type` by the small functions in `_FAMILIES`:
+  llama: optional bias on q/k/v/o (`attention_bias`) and on the MLP (`mlp_bias`)
+  qwen2: bias on q/k/v always, none on o
+  qwen3: per-head RMSNorm on q and k (qk-norm); `attention_bias` on q/k/v/o
+Both the transformers-4 layout (`rope_theta`, `rope_scaling`, `torch_dtype`) and
+the transformers-5 layout (`rope_parameters`, `dtype`) are read. Only plain RoPE
+is supported: a scaling type other than None/"default" is a ValueError, as are
+sliding-window attention and activations other than SiLU.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class ModelArgs:
+    model_type: str                  # "llama" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False           # bias on q/k/v projections
+    o_bias: bool = False             # bias on the attention output projection
+    mlp_bias: bool = False           # bias on gate/up/down projections (llama mlp_bias)
+    qk_norm: bool = False            # qwen3: RMSNorm over head_dim on q and k before RoPE
+    max_position_embeddings: int = 4096
+    torch_dtype: torch.dtype = torch.float32   # the checkpoint's storage dtype
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)  # the original config.json
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], source: str = "config.json") -> "ModelArgs":
+        """Parse an HF config dict; `source` names the file in error messages."""
+        model_type = cfg.get("model_type")
+        if model_type not in _FAMILIES:
+            raise ValueError(f"{source}: unsupported model_type {model_type!r} (key 'model_type'; "
+                             f"supported: {sorted(_FAMILIES)})")
+
+        def need(key: str) -> Any:
+            if cfg.get(key) is None:
+                raise ValueError(f"{source}: missing key {key!r}")
+            return cfg[key]
+
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: unsupported hidden_act {cfg['hidden_act']!r} (key 'hidden_act'; only silu)")
+        if cfg.get("use_sliding_window"):
+            raise ValueError(f"{source}: sliding-window attention is not supported (key 'use_sliding_window')")
+        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+        head_dim = cfg.get("head_dim") or hidden // heads
+        eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+        dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+        if dtype_name not in _DTYPES:
+            raise ValueError(f"{source}: unsupported dtype {dtype_name!r} (key 'torch_dtype')")
+        args = cls(
+            model_type=model_type,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rope_theta=_rope_theta(cfg, source),
+            rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings")),
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
+            torch_dtype=_DTYPES[dtype_name],
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            hf_config=copy.deepcopy(cfg),
+        )
+        _FAMILIES[model_type](args, cfg)
+        if args.num_heads % args.num_kv_heads:
+            raise ValueError(f"{source}: num_attention_heads {heads} is not a multiple of "
+                             f"num_key_value_heads {args.num_kv_heads} (key 'num_key_value_heads')")
+        return args
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelArgs":
+        """Read `<path>/config.json`."""
+        cfg_path = Path(path) / "config.json"
+        if not cfg_path.is_file():
+            raise ValueError(f"{cfg_path}: config.json not found")
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
+        return cls.from_hf_config(cfg, source=str(cfg_path))
+
+    def to_hf_config(self, dtype: torch.dtype | None = None) -> dict[str, Any]:
+        """An HF config dict for these args: the original config with our fields written over it."""
+        cfg = copy.deepcopy(self.hf_config)
+        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+        dtype_name = {v: k for k, v in _DTYPES.items()}[dtype or self.torch_dtype]
+        cfg.update(
+            architectures=[arch[self.model_type]], model_type=self.model_type,
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
+            tie_word_embeddings=self.tie_word_embeddings,
+            max_position_embeddings=self.max_position_embeddings, hidden_act="silu",
+            bos_token_id=self.bos_token_id,
+            eos_token_id=(self.eos_token_ids[0] if len(self.eos_token_ids) == 1
+                          else (self.eos_token_ids or None)),
+            dtype=dtype_name, torch_dtype=dtype_name,
+        )
+        # Write RoPE both ways so transformers 4 and 5 read the same theta.
+        cfg["rope_theta"] = self.rope_theta
+        cfg["rope_scaling"] = None
+        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.model_type in ("llama", "qwen3"):
+            cfg["attention_bias"] = self.qkv_bias
+        if self.model_type == "llama":
+            cfg["mlp_bias"] = self.mlp_bias
+        return cfg
+
+
+def _rope_theta(cfg: dict[str, Any], source: str) -> float:
+    """RoPE base; rejects any scaling we do not implement."""
+    params = cfg.get("rope_parameters")
+    for key, block in (("rope_scaling", cfg.get("rope_scaling")), ("rope_parameters", params)):
+        if block is None:
+            continue
+        kind = block.get("rope_type", block.get("type", "default"))
+        if kind not in (None, "default"):
+            raise ValueError(f"{source}: unsupported RoPE scaling type {kind!r} (key {key!r}; only default)")
+    # transformers 5 writes "rope_theta": null next to rope_parameters; 4 has no rope_parameters.
+    theta = (params or {}).get("rope_theta") or cfg.get("rope_theta") or 10000.0
+    return float(theta)
+
+
+def _llama(args: ModelArgs, cfg: dict[str, Any]) -> None:
+    args.qkv_bias = args.o_bias = bool(cfg.get("attention_bias", False))
+    args.mlp_bias = bool(cfg.get("mlp_bias", False))
+
+
+def _qwen2(args: ModelArgs, cfg: dict[str, Any]) -> None:
+    args.qkv_bias = True
+
+
+def _qwen3(args: ModelArgs, cfg: dict[str, Any]) -> None:
+    args.qkv_bias = args.o_bias = bool(cfg.get("attention_bias", False))
+    args.qk_norm = True
+
+
+# model_type -> family switches (the one place families differ).
+_FAMILIES: dict[str, Callable[[ModelArgs, dict[str, Any]], None]] = {
+    "llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3,
+}

@@ -1,0 +1,207 @@
+"""Builds the parts of a run from a Config: inputs first, then models, then outputs.
+
+Order matters for the "nothing written half-way" rule: every input (checkpoint
+files, tokenizer, data files, reward and filter paths, resume checkpoint) is
+checked before the output directory is created.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from furlong.config import Config
+from furlong.metrics import MetricsLogger
+from furlong.types import Prompt, Sample
+
+
+def check_checkpoint_dir(path: str | None) -> Path:
+    if path is None:
+        raise ValueError("--hf-checkpoint: required")
+    p = Path(path)
+    if not p.is_dir():
+        raise ValueError(f"--hf-checkpoint: {p} is not a directory")
+    if not (p / "config.json").is_file():
+        raise ValueError(f"--hf-checkpoint: {p / 'config.json'} is missing")
+    if not any(p.glob("*.safetensors")):
+        raise ValueError(f"--hf-checkpoint: no *.safetensors weights in {p}")
+    return p
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # transformers raises many types for a broken tokenizer dir
+        raise ValueError(f"--hf-checkpoint: cannot load the tokenizer from {path}: {e}".splitlines()[0]) from e
+
+
+def eos_token_ids(path: Path, tokenizer) -> list[int]:
+    """EOS ids: the tokenizer's eos plus generation_config.json's (Qwen lists several)."""
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        e = json.loads(gen.read_text()).get("eos_token_id")
+        for x in (e if isinstance(e, list) else [e]):
+            if x is not None and int(x) not in ids:
+                ids.append(int(x))
+    return ids
+
+
+def resolve_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    if cfg.parallel.dtype == "bf16" or (cfg.parallel.dtype == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def default_output_dir(cfg: Config) -> Path:
+    return Path(cfg.log.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def write_eval_samples(output_dir: Path, name: str, rollout_id: int, samples: list[Sample],
+                       prefix: str = "eval") -> None:
+    d = output_dir / "samples"
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{prefix}_{name}_{rollout_id + 1}.jsonl"
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        for s in samples:
+            f.write(json.dumps({"prompt": s.prompt.text, "response": s.response_text, "label": s.prompt.label,
+                                "reward": s.reward, "finish_reason": s.finish_reason}) + "\n")
+    os.replace(tmp, path)
+
+
+@dataclass
+class RunParts:
+    cfg: Config
+    ctx: Any                                   # DistContext
+    output_dir: Path
+    logger: MetricsLogger
+    dataset: Any                               # PromptDataset
+    eval_sets: list[tuple[str, list[Prompt]]]
+    generator: Any                             # rollout Generator (its own model copy)
+    reward_fn: Callable[[Sample], float]
+    filter_fn: Callable | None
+    actor: Any | None                          # train.actor.Actor (None for eval only)
+    start_rollout: int
+    num_params: int
+
+    def rollout(self, rollout_id: int):
+        from furlong.rollout.rollout import RolloutSpec, generate_rollout
+        return generate_rollout(self.dataset, self.generator, self.reward_fn, self.filter_fn,
+                                RolloutSpec.from_config(self.cfg), self.rank_info(), rollout_id)
+
+    def rank_info(self):
+        from furlong.rollout.rollout import RankInfo
+        return RankInfo(rank=self.ctx.rank, world_size=self.ctx.world_size)
+
+    def run_eval(self, name: str, prompts: list[Prompt]):
+        from furlong.rollout.eval import run_eval
+        from furlong.rollout.sampling import SamplingParams
+        params = SamplingParams.for_eval(self.cfg, seed=self.cfg.data.rollout_seed)
+        return run_eval(name, prompts, self.generator, self.reward_fn, params,
+                        self.cfg.eval.n_samples_per_eval_prompt, self.rank_info())
+
+    def sync_weights(self) -> None:
+        from furlong.train.weight_sync import sync_weights
+        sync_weights(self.actor.model, self.generator.model, self.cfg.batch.update_weight_buffer_size)
+
+    def save(self, rollout_id: int) -> None:
+        from furlong.train.checkpoint import save_checkpoint
+        save_checkpoint(self.cfg.ckpt.save, self.actor, rollout_id, sampler_state=self.dataset.state_dict())
+
+    def mfu(self, num_tokens: int, seconds: float) -> float:
+        """Model FLOPs utilization of training: 6*N FLOPs per token (fwd+bwd; attention ignored) over peak."""
+        if self.ctx.device.type != "cuda" or seconds <= 0:
+            return 0.0
+        peak = 989e12 * self.ctx.world_size  # dense bf16 per H100/H200 (datasheet)
+        return 6 * self.num_params * num_tokens / seconds / peak
+
+
+def build_run(cfg: Config, ctx, with_actor: bool) -> RunParts:
+    from furlong.data import PromptDataset
+    from furlong.models.hf_config import ModelArgs
+    from furlong.models.hf_io import load_pretrained
+    from furlong.rewards.registry import get_reward_fn
+    from furlong.rollout.filters import load_filter
+    from furlong.rollout.generator import Generator
+
+    # 1. inputs (nothing written yet)
+    ckpt = check_checkpoint_dir(cfg.data.hf_checkpoint)
+    args = ModelArgs.from_dir(ckpt)
+    tokenizer = load_tokenizer(ckpt)
+    max_resp = max(cfg.rollout.rollout_max_response_len, cfg.eval_sampling()["max_new_tokens"])
+    max_ctx = args.max_position_embeddings - max_resp
+    if max_ctx <= 0:
+        raise ValueError(f"--rollout-max-response-len: {max_resp} leaves no room for a prompt in the model's "
+                         f"context of {args.max_position_embeddings}")
+    common = dict(tokenizer=tokenizer, apply_chat_template=cfg.data.apply_chat_template,
+                  max_prompt_len=cfg.data.rollout_max_prompt_len, max_context_len=max_ctx)
+    dataset = None
+    if with_actor:
+        dataset = PromptDataset(cfg.data.prompt_data, input_key=cfg.data.input_key, label_key=cfg.data.label_key,
+                                shuffle=cfg.data.rollout_shuffle, seed=cfg.data.rollout_seed, **common)
+    eval_sets = []
+    for name, path in cfg.eval_sets():
+        ds = PromptDataset(path, input_key=cfg.eval.eval_input_key or cfg.data.input_key,
+                           label_key=cfg.eval.eval_label_key or cfg.data.label_key, shuffle=False,
+                           seed=0, **common)
+        eval_sets.append((name, ds.all()))
+    reward_fn = get_reward_fn(cfg.reward.rm_type, cfg.reward.custom_rm_path)
+    filter_fn = load_filter(cfg.rollout.dynamic_sampling_filter_path)
+    if cfg.ckpt.load is not None and not (Path(cfg.ckpt.load) / "latest_checkpointed_iteration.txt").is_file():
+        raise ValueError(f"--load: no latest_checkpointed_iteration.txt in {cfg.ckpt.load}")
+
+    # 2. models
+    device = ctx.device
+    dtype = resolve_dtype(cfg, device)
+    actor = None
+    if with_actor:
+        from furlong.train.actor import Actor
+        actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=device), cfg, ctx)
+    engine_model = load_pretrained(ckpt, dtype=dtype, device=device)
+    num_params = sum(p.numel() for p in engine_model.parameters())
+    generator = Generator(engine_model, tokenizer, eos_token_ids(ckpt, tokenizer),
+                          max_batch_size=_engine_batch_size(cfg), device=device)
+
+    # 3. outputs (rank 0 writes)
+    out = default_output_dir(cfg)
+    logger_enabled = ctx.rank == 0
+    if logger_enabled:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
+    wandb = None
+    if cfg.log.use_wandb and logger_enabled:
+        if cfg.log.wandb_key:
+            os.environ["WANDB_API_KEY"] = cfg.log.wandb_key
+        name = out.name if cfg.log.disable_wandb_random_suffix else f"{out.name}-{os.urandom(3).hex()}"
+        wandb = {"project": cfg.log.wandb_project, "group": cfg.log.wandb_group, "name": name,
+                 "config": cfg.to_dict()}
+    logger = MetricsLogger(out, enabled=logger_enabled, use_tensorboard=cfg.log.use_tensorboard,
+                           wandb_settings=wandb)
+
+    parts = RunParts(cfg=cfg, ctx=ctx, output_dir=out, logger=logger, dataset=dataset, eval_sets=eval_sets,
+                     generator=generator, reward_fn=reward_fn, filter_fn=filter_fn, actor=actor,
+                     start_rollout=0, num_params=num_params)
+    if cfg.ckpt.load is not None and actor is not None:
+        from furlong.train.checkpoint import load_checkpoint
+        state = load_checkpoint(cfg.ckpt.load, actor)
+        if state is not None:
+            dataset.load_state_dict(state.sampler_state)
+            parts.start_rollout = state.rollout_id + 1
+            parts.sync_weights()
+            logger.line(f"resumed from {cfg.ckpt.load} at rollout {parts.start_rollout}")
+    return parts
+
+
+def _engine_batch_size(cfg: Config) -> int:
+    """Sequences generated together: a whole over-sampling round at once."""
+    n = cfg.over_sampling_batch_size * cfg.rollout.n_samples_per_prompt
+    return max(1, min(n, 1024))

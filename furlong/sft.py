@@ -1,0 +1,98 @@
+"""`furlong sft`: supervised fine-tuning with the RL trainer and a cross-entropy loss.
+
+Each row's input is a chat (`--input-key`, default messages) whose last turn is
+the assistant's. The prompt is the chat template of the earlier turns with the
+generation prompt; the loss covers the assistant turn's tokens (content and the
+end-of-turn token), aggregated per sample as the RL loss is (each sample's token
+mean, averaged over the batch). `--save DIR` receives an HF checkpoint.
+"""
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from furlong.config import Config
+from furlong.metrics import MetricsLogger, Progress, format_duration
+from furlong.types import TrainSample
+
+
+def sft_samples(path_spec: str, tokenizer, input_key: str, max_len: int) -> list[TrainSample]:
+    """Chat rows -> TrainSamples with the loss on the final assistant turn."""
+    from furlong.data import DataError, load_rows
+    rows = load_rows(path_spec, input_key, None)
+    out = []
+    for r in rows:
+        msgs = r.input
+        if not isinstance(msgs, list) or not msgs or not isinstance(msgs[-1], dict) \
+                or msgs[-1].get("role") != "assistant":
+            raise DataError(f"{path_spec}: row {r.index + 1}: {input_key!r} must be chat messages ending "
+                            "with an assistant turn")
+        prompt = tokenizer.apply_chat_template(msgs[:-1], tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(msgs, tokenize=False)
+        if not full.startswith(prompt):
+            raise DataError(f"{path_spec}: row {r.index + 1}: the chat template does not extend the prompt")
+        p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        r_ids = tokenizer(full[len(prompt):].rstrip("\n"), add_special_tokens=False)["input_ids"]
+        ids = (p_ids + r_ids)[:max_len]
+        num_r = len(ids) - len(p_ids)
+        if num_r <= 0:
+            raise DataError(f"{path_spec}: row {r.index + 1}: prompt fills --sft-max-len {max_len}")
+        zeros = torch.zeros(num_r)
+        out.append(TrainSample(token_ids=torch.tensor(ids, dtype=torch.long), num_prompt_tokens=len(p_ids),
+                               advantages=zeros, rollout_log_probs=zeros, old_log_probs=zeros))
+    return out
+
+
+def save_hf_checkpoint(model: torch.nn.Module, src_ckpt: Path, out_dir: str, rank: int) -> None:
+    """Gather the sharded weights (every rank takes part) and write an HF checkpoint on rank 0."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from furlong.models.hf_config import ModelArgs
+    from furlong.models.hf_io import save_hf
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        save_hf(sd, ModelArgs.from_dir(src_ckpt), out_dir, tokenizer_src=src_ckpt)
+
+
+def run_sft(cfg: Config, ctx) -> int:
+    from furlong.models.hf_io import load_pretrained
+    from furlong.run_setup import check_checkpoint_dir, load_tokenizer
+    from furlong.train.actor import Actor
+
+    ckpt = check_checkpoint_dir(cfg.data.hf_checkpoint)
+    tokenizer = load_tokenizer(ckpt)
+    key = cfg.data.input_key if cfg.data.input_key != "input" else "messages"
+    samples = sft_samples(cfg.data.prompt_data, tokenizer, key, cfg.sft.sft_max_len)
+    gbs = min(cfg.batch.global_batch_size or len(samples), len(samples))
+    steps_per_epoch = len(samples) // gbs
+    total = steps_per_epoch * cfg.sft.num_epoch
+    torch.manual_seed(cfg.parallel.seed)
+    actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=ctx.device), cfg, ctx, loss="sft",
+                  total_steps=total)
+    out = Path(cfg.log.output_dir or f"runs/sft-{time.strftime('%Y%m%d-%H%M%S')}")
+    logger = MetricsLogger(out, enabled=ctx.rank == 0)
+    progress = Progress(total)
+    step = 0
+    for epoch in range(cfg.sft.num_epoch):
+        order = list(range(len(samples)))
+        random.Random(cfg.parallel.seed + epoch).shuffle(order)   # same order on every rank
+        for b in range(steps_per_epoch):
+            batch = [samples[i] for i in order[b * gbs:(b + 1) * gbs]]
+            m = actor.train_step(batch)
+            step += 1
+            logger.log(step, {"sft/loss": m.loss, "train/grad_norm": m.grad_norm, "train/lr": m.lr,
+                              "train/num_micro_batches": m.num_micro_batches,
+                              "perf/actor_train_tok_per_s": m.num_tokens / max(m.seconds, 1e-9)}, kind="sft")
+            if ctx.rank == 0 and (step % 10 == 0 or step == total):
+                print(f"[sft {step}/{total} epoch {epoch + 1}] loss {m.loss:.4f} | lr {m.lr:.2e} | "
+                      f"{m.num_tokens / max(m.seconds, 1e-9):.0f} tok/s | ETA {format_duration(progress.eta(step))}",
+                      flush=True)
+    if cfg.ckpt.save is not None:
+        save_hf_checkpoint(actor.model, ckpt, cfg.ckpt.save, ctx.rank)
+        if ctx.rank == 0:
+            print(f"sft: wrote HF checkpoint {cfg.ckpt.save}", flush=True)
+    logger.close()
+    return 0

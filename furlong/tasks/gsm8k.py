@@ -1,0 +1,62 @@
+"""GSM8K jsonl -> parquet prompt data (`furlong prepare gsm8k`).
+
+Input: DIR/{train,test}.jsonl with `question` and `answer` per line (the
+original release). Output: DIR/{train,test}.parquet with `messages` (one user
+turn: the question plus a request for the final answer in \\boxed{}) and
+`label` (the number after the answer's "####", thousands commas removed).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from furlong.tasks import user_turn, write_parquet_atomic
+
+SPLITS = ("train", "test")
+
+
+def gsm8k_label(answer: str) -> str:
+    """The final number of a GSM8K answer: the text after the last '####', commas removed."""
+    if "####" not in answer:
+        raise ValueError("no '####' final-answer marker")
+    label = answer.rsplit("####", 1)[1].strip().replace(",", "")
+    if not label:
+        raise ValueError("empty answer after '####'")
+    return label
+
+
+def _convert_split(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise ValueError(f"{path}: file not found")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}: line {line_no}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: malformed JSON ({e.msg})") from None
+            if not isinstance(rec, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+            for key in ("question", "answer"):
+                if not isinstance(rec.get(key), str):
+                    raise ValueError(f"{where}: missing or non-string key {key!r}")
+            try:
+                label = gsm8k_label(rec["answer"])
+            except ValueError as e:
+                raise ValueError(f"{where}: key 'answer': {e}") from None
+            rows.append({"messages": user_turn(rec["question"]), "label": label})
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    return rows
+
+
+def prepare_gsm8k(input_dir: str | Path, output_dir: str | Path) -> dict[str, int]:
+    """Convert both splits; return rows written per split. Both are read before either is written."""
+    input_dir, output_dir = Path(input_dir), Path(output_dir)
+    converted = {split: _convert_split(input_dir / f"{split}.jsonl") for split in SPLITS}
+    for split, rows in converted.items():
+        write_parquet_atomic(rows, output_dir / f"{split}.parquet")
+    return {split: len(rows) for split, rows in converted.items()}

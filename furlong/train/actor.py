@@ -1,0 +1,326 @@
+"""The data-parallel trainer ("actor"): log-prob passes and optimizer steps (DESIGN.md §2, §5).
+
+Every rank gets ALL samples of the rollout and runs the same pure planning
+functions on them, so the rank split, each rank's micro-batch plan, the common
+micro-batch count (max over ranks), the global batch size and the global
+count of loss tokens are known on every rank without any collective.
+
+Per optimizer step:
+  1. split the step's samples over ranks, token-balanced (split_across_ranks);
+  2. plan this rank's micro-batches (dynamic: token budget; else fixed size),
+     pad with 1-token dummy micro-batches of zero weight up to the max count
+     over ranks, so that every rank runs the same FSDP collectives;
+  3. per micro-batch: forward_packed -> chunked_log_probs -> loss -> backward.
+     The loss weights carry the global aggregation (batching.py), and FSDP sums
+     gradients over ranks (fsdp.py), so the result equals one big batch;
+  4. clip the grad norm, optimizer step, scheduler step.
+
+Log-prob reuse: with exactly one optimizer step per rollout the old policy is
+the current one, so old log-probs = the training forward's, detached
+(`--skip-actor-forward-only`, on by default exactly then). The model has no
+dropout, so the two forwards would be identical.
+
+The frozen reference model (for --use-kl-loss) is a copy of the initial
+weights, sharded the same way, never trained.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import register_fsdp_forward_method
+
+from furlong.config import Config
+from furlong.train.batching import (fixed_micro_batches, move_micro_batch, num_loss_tokens, pack_micro_batch,
+                                    plan_micro_batches, split_across_ranks, token_loss_weights)
+from furlong.train.distributed import DistContext
+from furlong.train.fsdp import default_param_dtype, shard_model
+from furlong.train.logprobs import chunked_log_probs
+from furlong.train.losses import LossMetrics, LossParams, rl_loss, sft_loss
+from furlong.train.optimizer import build_lr_scheduler, build_optimizer
+from furlong.types import MicroBatch, TrainSample
+
+log = logging.getLogger(__name__)
+
+LOGPROB_CHUNK = 4096  # positions per logits chunk: [4096, V] fp32 is ~2.4 GB at V = 152k
+
+
+def _rl(mb: MicroBatch, logp: torch.Tensor, ent: torch.Tensor | None, params: LossParams):
+    return rl_loss(mb, logp, ent, params)
+
+
+def _sft(mb: MicroBatch, logp: torch.Tensor, ent: torch.Tensor | None, params: LossParams):
+    loss = sft_loss(mb, logp)
+    m = LossMetrics.zeros(loss.device)
+    m.loss = loss.detach().float()
+    if ent is not None:
+        m.entropy = (ent.detach() * mb.loss_weight).sum()
+    return loss, m
+
+
+# Actor(loss=...) -> micro-batch objective: (mb, log_probs, entropy, params) -> (loss, LossMetrics).
+LOSSES: dict[str, Callable] = {"rl": _rl, "sft": _sft}
+
+
+@dataclass
+class TrainMetrics:
+    """One train_step (all optimizer steps of a rollout); loss terms are step means."""
+    loss: float
+    pg_loss: float
+    pg_clipfrac: float
+    ppo_kl: float
+    entropy: float
+    kl_loss: float
+    grad_norm: float              # before clipping, mean over steps
+    lr: float                     # learning rate of the last step
+    num_steps: int                # optimizer steps taken
+    num_skipped_steps: int        # steps skipped for a non-finite grad norm
+    num_micro_batches: int        # per rank (all ranks run the same count), summed over steps
+    tokens_max_over_mean: float   # rank token balance: max rank tokens / mean (1.0 = perfect)
+    num_tokens: int               # prompt + response tokens trained, all ranks
+    seconds: float
+
+    def to_log(self) -> dict[str, float]:
+        """`train/*` metric names of DESIGN.md §7."""
+        return {f"train/{f.name}": getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "seconds"}
+
+
+def _dummy_micro_batch(has_old: bool, has_ref: bool) -> MicroBatch:
+    """One token, zero weight: lets a rank without work join the FSDP collectives."""
+    z = lambda: torch.zeros(1, dtype=torch.float32)  # noqa: E731
+    return MicroBatch(
+        input_ids=torch.zeros(1, dtype=torch.long), position_ids=torch.zeros(1, dtype=torch.long),
+        cu_seqlens=torch.tensor([0, 1], dtype=torch.int32), max_seqlen=1, targets=torch.zeros(1, dtype=torch.long),
+        loss_weight=z(), response_mask=z(), advantages=z(), old_log_probs=z() if has_old else None,
+        rollout_log_probs=z(), ref_log_probs=z() if has_ref else None, sample_indices=[],
+    )
+
+
+def _response_slices(mb: MicroBatch, samples: list[TrainSample]) -> list[tuple[int, int]]:
+    """(start, end) in mb's positions of each packed sample's response log-probs."""
+    out = []
+    for k, i in enumerate(mb.sample_indices):
+        start = int(mb.cu_seqlens[k]) + samples[i].num_prompt_tokens - 1
+        out.append((start, start + samples[i].num_response_tokens))
+    return out
+
+
+class Actor:
+    def __init__(self, model: torch.nn.Module, cfg: Config, ctx: DistContext, loss: str = "rl",
+                 total_steps: int | None = None, max_tokens_per_gpu: int | None = None):
+        """`model`: the unsharded policy (any device/dtype; it is sharded in place, fp32 masters).
+
+        total_steps: optimizer steps of the run for the LR schedule (default from the flags).
+        max_tokens_per_gpu: the resolved budget when --max-tokens-per-gpu is auto (memory_probe).
+        """
+        if loss not in LOSSES:
+            raise ValueError(f"Actor: unknown loss {loss!r} ({', '.join(LOSSES)})")
+        self.cfg, self.ctx = cfg, ctx
+        self.loss_fn = LOSSES[loss]
+        self.loss_params = LossParams.from_config(cfg)
+        self.param_dtype = default_param_dtype(ctx.device, cfg.parallel.dtype)
+        ref = copy.deepcopy(model) if cfg.algo.use_kl_loss else None
+        model.gradient_checkpointing = cfg.batch.gradient_checkpointing
+        self.model = self._shard(model)
+        self.model.train()
+        self.ref_model = None
+        if ref is not None:
+            ref.requires_grad_(False)
+            self.ref_model = self._shard(ref).eval()
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        if total_steps is None:
+            kept = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
+            total_steps = max(cfg.rollout.num_rollout, 1) * self.num_optimizer_steps(kept)
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, total_steps)
+        self.max_tokens_per_gpu = max_tokens_per_gpu if max_tokens_per_gpu is not None else cfg.max_tokens_per_gpu
+        if cfg.batch.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
+            raise ValueError("--max-tokens-per-gpu: auto needs the probed budget (memory_probe.probe_max_tokens)")
+
+    def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        shard_model(model, self.ctx, self.param_dtype)
+        # forward_packed is not __call__: route it through FSDP's unshard/reshard hooks
+        register_fsdp_forward_method(model, "forward_packed")
+        return model
+
+    # ------------------------------------------------------------------ planning
+
+    def num_optimizer_steps(self, num_samples: int) -> int:
+        b = self.cfg.batch
+        if b.num_steps_per_rollout is not None:
+            return b.num_steps_per_rollout
+        if b.global_batch_size is None:
+            return 1
+        return max(num_samples // b.global_batch_size, 1)
+
+    def _step_chunks(self, num_samples: int) -> list[list[int]]:
+        n = self.num_optimizer_steps(num_samples)
+        if num_samples % n != 0 or num_samples < n:
+            flag = "--num-steps-per-rollout" if self.cfg.batch.num_steps_per_rollout else "--global-batch-size"
+            raise ValueError(f"{flag}: {num_samples} samples do not split into {n} equal optimizer steps")
+        size = num_samples // n
+        return [list(range(k * size, (k + 1) * size)) for k in range(n)]
+
+    def reuses_old_log_probs(self, num_samples: int) -> bool:
+        """True when train_step takes old log-probs from its own forward (no separate pass needed)."""
+        one_step = self.num_optimizer_steps(num_samples) == 1
+        flag = self.cfg.algo.skip_actor_forward_only
+        if flag and not one_step:
+            raise ValueError("--skip-actor-forward-only: only exact with one optimizer step per rollout")
+        return one_step if flag is None else flag
+
+    def _plan_ranks(self, lengths: list[int]) -> tuple[list[list[int]], list[list[list[int]]]]:
+        """Rank split and, per rank, micro-batches as indices into `lengths` (same on every rank)."""
+        split = split_across_ranks(lengths, self.ctx.world_size)
+        plans = []
+        for idx in split:
+            if self.cfg.batch.use_dynamic_batch_size:
+                local = plan_micro_batches([lengths[i] for i in idx], self.max_tokens_per_gpu)
+            else:
+                local = fixed_micro_batches(list(range(len(idx))), self.cfg.batch.micro_batch_size)
+            plans.append([[idx[j] for j in mb] for mb in local])
+        return split, plans
+
+    # ------------------------------------------------------------------ forward
+
+    def _log_probs(self, model: torch.nn.Module, mb: MicroBatch, with_entropy: bool):
+        hidden = model.forward_packed(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
+        weight = model.output_weight  # the root stays unsharded after forward (fsdp.py)
+        return chunked_log_probs(hidden, weight.to(hidden.dtype), mb.targets,
+                                 self.cfg.rollout.rollout_temperature, LOGPROB_CHUNK, with_entropy)
+
+    @torch.no_grad()
+    def compute_log_probs(self, samples: list[TrainSample], which: str = "old") -> list[torch.Tensor]:
+        """Response log-probs [R] (fp32, CPU) of every sample under the current ("old") or
+        reference ("ref") model. Each rank computes its token-balanced share; the results are
+        all-gathered so every rank returns all of them."""
+        models = {"old": self.model, "ref": self.ref_model}
+        model = models.get(which)
+        if model is None:
+            raise ValueError(f"compute_log_probs: no {which!r} model (ref needs --use-kl-loss)")
+        lengths = [s.num_tokens for s in samples]
+        split, plans = self._plan_ranks(lengths)
+        zero_w = [torch.zeros(s.num_response_tokens) for s in samples]
+        mine = plans[self.ctx.rank]
+        num_mb = max(len(p) for p in plans)
+        out: dict[int, torch.Tensor] = {}
+        for k in range(num_mb):
+            real = k < len(mine)
+            mb = pack_micro_batch(samples, zero_w, mine[k]) if real else _dummy_micro_batch(False, False)
+            mb = move_micro_batch(mb, self.ctx.device)
+            logp, _ = self._log_probs(model, mb, with_entropy=False)
+            if real:
+                for i, (s, e) in zip(mb.sample_indices, _response_slices(mb, samples)):
+                    out[i] = logp[s:e]
+        return self._all_gather_per_sample(out, split, samples)
+
+    def _all_gather_per_sample(self, mine: dict[int, torch.Tensor], split: list[list[int]],
+                               samples: list[TrainSample]) -> list[torch.Tensor]:
+        """Every rank's per-sample results, in sample order. Sizes are known everywhere,
+        so one all_gather of padded flat tensors suffices."""
+        sizes = [sum(samples[i].num_response_tokens for i in idx) for idx in split]
+        width = max(max(sizes), 1)
+        flat = torch.zeros(width, dtype=torch.float32, device=self.ctx.device)
+        my_idx = split[self.ctx.rank]
+        if my_idx:
+            flat[:sizes[self.ctx.rank]] = torch.cat([mine[i] for i in my_idx])
+        if self.ctx.world_size > 1:
+            bufs = [torch.empty_like(flat) for _ in range(self.ctx.world_size)]
+            dist.all_gather(bufs, flat)
+        else:
+            bufs = [flat]
+        result: list[torch.Tensor | None] = [None] * len(samples)
+        for r, idx in enumerate(split):
+            host = bufs[r].cpu()
+            pos = 0
+            for i in idx:
+                n = samples[i].num_response_tokens
+                result[i] = host[pos:pos + n].clone()
+                pos += n
+        return result  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(self, samples: list[TrainSample]) -> TrainMetrics:
+        """All optimizer steps for one rollout's samples (identical list on every rank)."""
+        if not samples:
+            raise ValueError("train_step: no samples")
+        t0 = time.perf_counter()
+        chunks = self._step_chunks(len(samples))
+        reuse = self.reuses_old_log_probs(len(samples))
+        if not reuse and any(s.old_log_probs is None for s in samples):
+            old = self.compute_log_probs(samples, "old")
+            samples = [dataclasses.replace(s, old_log_probs=o) for s, o in zip(samples, old)]
+        if self.loss_params.use_kl_loss and any(s.ref_log_probs is None for s in samples):
+            ref = self.compute_log_probs(samples, "ref")
+            samples = [dataclasses.replace(s, ref_log_probs=r) for s, r in zip(samples, ref)]
+        per_step = [self._optimizer_step([samples[i] for i in idx]) for idx in chunks]
+        n = len(per_step)
+        finite = [m for m in per_step if m["finite"]] or per_step
+        mean = lambda key: sum(m[key] for m in per_step) / n  # noqa: E731
+        return TrainMetrics(
+            loss=mean("loss"), pg_loss=mean("pg_loss"), pg_clipfrac=mean("pg_clipfrac"), ppo_kl=mean("ppo_kl"),
+            entropy=mean("entropy"), kl_loss=mean("kl_loss"),
+            grad_norm=sum(m["grad_norm"] for m in finite) / len(finite), lr=per_step[-1]["lr"], num_steps=n,
+            num_skipped_steps=sum(not m["finite"] for m in per_step),
+            num_micro_batches=sum(m["num_micro_batches"] for m in per_step),
+            tokens_max_over_mean=max(m["balance"] for m in per_step),
+            num_tokens=sum(m["num_tokens"] for m in per_step), seconds=time.perf_counter() - t0,
+        )
+
+    def _optimizer_step(self, samples: list[TrainSample]) -> dict[str, float]:
+        cfg, ctx = self.cfg, self.ctx
+        lengths = [s.num_tokens for s in samples]
+        split, plans = self._plan_ranks(lengths)
+        mine, num_mb = plans[ctx.rank], max(len(p) for p in plans)
+        # global aggregation, known locally because every rank holds all of the step's samples
+        per_token = cfg.algo.calculate_per_token_loss
+        weights = token_loss_weights(samples, len(samples), per_token,
+                                     num_loss_tokens(samples) if per_token else 0)
+        has_old = samples[0].old_log_probs is not None
+        has_ref = samples[0].ref_log_probs is not None
+        # entropy is always reported; it carries gradient only with --entropy-coef
+        with_entropy = True
+        total = LossMetrics.zeros(ctx.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        for k in range(num_mb):
+            mb = pack_micro_batch(samples, weights, mine[k]) if k < len(mine) else _dummy_micro_batch(has_old, has_ref)
+            mb = move_micro_batch(mb, ctx.device)
+            logp, ent = self._log_probs(self.model, mb, with_entropy)
+            if self.loss_params.entropy_coef == 0 and ent is not None:
+                ent = ent.detach()
+            loss, metrics = self.loss_fn(mb, logp, ent, self.loss_params)
+            loss.backward()
+            total = total + metrics
+        max_norm = cfg.optim.clip_grad if cfg.optim.clip_grad > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        stacked = total.stacked()
+        if ctx.world_size > 1:
+            dist.all_reduce(stacked)
+        # The one host sync of the step: metrics are needed on the host for logging, and a
+        # non-finite grad norm must skip the update (same decision on every rank: the norm is global).
+        host = torch.cat([stacked, grad_norm.reshape(1).float().to(stacked.device)]).tolist()
+        out = dict(zip(LossMetrics.names(), host[:-1]))
+        out["grad_norm"] = host[-1]
+        out["finite"] = math.isfinite(host[-1])
+        out["lr"] = self.scheduler.get_last_lr()[0]
+        if out["finite"]:
+            self.optimizer.step()
+        else:
+            log.warning("skipping optimizer step: grad norm is %s", host[-1])
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        rank_tokens = [sum(lengths[i] for i in idx) for idx in split]
+        mean_tokens = sum(rank_tokens) / len(rank_tokens)
+        out["balance"] = max(rank_tokens) / mean_tokens if mean_tokens > 0 else 1.0
+        out["num_micro_batches"] = num_mb
+        out["num_tokens"] = sum(lengths)
+        return out

@@ -1,0 +1,164 @@
+"""Resumable checkpoints (DESIGN.md §8).
+
+Layout under `--save DIR`:
+    DIR/iter_0000005/                       after rollout_id 4 (iteration = rollout_id + 1)
+        *.distcp, .metadata                 sharded model + optimizer (torch.distributed.checkpoint)
+        trainer_rank{r}.pt                  per-rank: RNG states (torch, cuda, python, numpy)
+        trainer.pt                          rank 0: scheduler, data-sampler state, rollout_id
+    DIR/latest_checkpointed_iteration.txt   "5", written last
+
+Crash safety: every rank writes into `iter_0000005.tmp/`; after a barrier rank 0
+renames it to `iter_0000005/` and only then replaces the tracker file (temp file +
+fsync + os.replace). A crash at any point leaves the tracker naming the previous,
+complete checkpoint; a stale `.tmp` directory is removed by the next save.
+
+Model and optimizer state go through `get_state_dict`/`set_state_dict`, so the
+files are keyed by parameter name (FQN) and can be loaded at another world size.
+The frozen reference model is not saved: it is the initial weights, re-read from
+--hf-checkpoint on resume.
+
+Test hook: env FURLONG_CKPT_SLEEP_MID_SAVE=<seconds> sleeps after the shards are
+written and before the rename, so a test can kill a save half-way.
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from furlong.train.distributed import barrier
+
+TRACKER = "latest_checkpointed_iteration.txt"
+SLEEP_ENV = "FURLONG_CKPT_SLEEP_MID_SAVE"
+
+
+@dataclass
+class ResumeState:
+    rollout_id: int                  # last finished rollout; training continues at rollout_id + 1
+    sampler_state: dict[str, Any]    # what the caller passed as `sampler_state` to save_checkpoint
+    path: str                        # the iter_* directory loaded
+
+    @property
+    def next_rollout_id(self) -> int:
+        return self.rollout_id + 1
+
+
+def iter_dir(save_dir: str | os.PathLike, rollout_id: int) -> Path:
+    return Path(save_dir) / f"iter_{rollout_id + 1:07d}"
+
+
+def latest_iteration(save_dir: str | os.PathLike) -> int | None:
+    """Iteration named by the tracker file, or None when there is no checkpoint yet."""
+    tracker = Path(save_dir) / TRACKER
+    if not tracker.exists():
+        return None
+    text = tracker.read_text().strip()
+    if not text.isdigit():
+        raise ValueError(f"--load: {tracker} does not hold an iteration number: {text!r}")
+    return int(text)
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def save_checkpoint(save_dir: str | os.PathLike, actor: Any, rollout_id: int,
+                    sampler_state: dict[str, Any] | None = None) -> Path:
+    """Save after `rollout_id` finished; every rank must call. Returns the iter_* directory."""
+    rank = _rank()
+    final = iter_dir(save_dir, rollout_id)
+    tmp = final.with_name(final.name + ".tmp")
+    if rank == 0:
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left by a crashed save
+        tmp.mkdir()
+    barrier()
+    model_sd, optim_sd = get_state_dict(actor.model, actor.optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    torch.save(_rng_state(), tmp / f"trainer_rank{rank}.pt")
+    if rank == 0:
+        torch.save({"scheduler": actor.scheduler.state_dict(), "sampler": sampler_state or {},
+                    "rollout_id": rollout_id}, tmp / "trainer.pt")
+    sleep_s = float(os.environ.get(SLEEP_ENV, "0"))
+    if sleep_s > 0:
+        time.sleep(sleep_s)
+    barrier()  # all shards are on disk before the directory becomes visible
+    if rank == 0:
+        if final.exists():
+            shutil.rmtree(final)  # re-save of the same iteration
+        os.replace(tmp, final)
+        _write_atomic(Path(save_dir) / TRACKER, str(rollout_id + 1))
+    barrier()
+    return final
+
+
+def load_checkpoint(load_dir: str | os.PathLike, actor: Any) -> ResumeState | None:
+    """Restore the tracker's checkpoint into `actor` (every rank calls); None if there is none."""
+    iteration = latest_iteration(load_dir)
+    if iteration is None:
+        return None
+    path = Path(load_dir) / f"iter_{iteration:07d}"
+    if not (path / "trainer.pt").exists():
+        raise ValueError(f"--load: {path} is missing or incomplete (no trainer.pt)")
+    model_sd, optim_sd = get_state_dict(actor.model, actor.optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(actor.model, actor.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    meta = torch.load(path / "trainer.pt", weights_only=False)
+    actor.scheduler.load_state_dict(meta["scheduler"])
+    rank_file = path / f"trainer_rank{_rank()}.pt"
+    if rank_file.exists():  # absent when resuming at a larger world size: keep fresh RNG
+        _set_rng_state(torch.load(rank_file, weights_only=False))
+    return ResumeState(rollout_id=int(meta["rollout_id"]), sampler_state=meta["sampler"], path=str(path))
+
+
+def load_model_weights(load_dir: str | os.PathLike, model: torch.nn.Module) -> int:
+    """Single process, no process group: load the latest checkpoint's model weights
+    into an unsharded `model` (export/eval). Returns the iteration loaded."""
+    iteration = latest_iteration(load_dir)
+    if iteration is None:
+        raise ValueError(f"--load: no {TRACKER} in {load_dir}")
+    path = Path(load_dir) / f"iter_{iteration:07d}"
+    model_sd = {k: v for k, v in model.state_dict().items()}
+    state = {"model": model_sd}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    missing = set(model.state_dict()) - set(state["model"])
+    if missing:
+        raise ValueError(f"--load: {path} lacks weights {sorted(missing)[:3]}")
+    model.load_state_dict(state["model"])
+    return iteration

@@ -1,0 +1,171 @@
+"""Process-group setup for the data-parallel trainer (DESIGN.md §4).
+
+Three ways a trainer process comes to life:
+  * torchrun (multi-node): RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT are
+    set; `init_distributed` joins the group they describe.
+  * `launch_local(fn, N)` (`--actor-num-gpus-per-node N`): this module spawns N
+    workers itself, on a free local port, and sets the same variables.
+  * plain single process: no env vars; a one-rank group on a private port, so
+    FSDP2 wraps the model the same way at every world size (one code path).
+
+Backend: nccl on CUDA, gloo on CPU. `all_reduce_sum` / `all_reduce_max` reduce
+several Python numbers with ONE collective (they are stacked into one tensor),
+which is how the trainer keeps its per-step host syncs down to one.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+@dataclass
+class DistContext:
+    rank: int                 # global rank, 0..world_size-1
+    world_size: int           # number of data-parallel processes
+    local_rank: int           # rank within this node (selects the GPU)
+    device: torch.device      # where this rank's model lives
+    backend: str              # "nccl" | "gloo"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+
+def _resolve_device_type(device_pref: str) -> str:
+    if device_pref not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--device: unknown device {device_pref!r} (auto, cpu, cuda)")
+    if device_pref == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device: cuda requested but CUDA is not available")
+    if device_pref == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device_pref
+
+
+def init_distributed(device_pref: str = "auto") -> DistContext:
+    """Join the process group described by torchrun-style env vars, or run alone."""
+    device_type = _resolve_device_type(device_pref)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        kwargs: dict[str, Any] = {"backend": backend, "rank": rank, "world_size": world_size}
+        if "MASTER_ADDR" not in os.environ:
+            # single process: a one-rank group on a private port, so the trainer
+            # has one code path (FSDP2/DTensor) for any world size
+            kwargs["init_method"] = f"tcp://127.0.0.1:{free_port()}"
+        if device_type == "cuda":
+            kwargs["device_id"] = device  # eager NCCL init bound to this rank's GPU
+        dist.init_process_group(**kwargs)
+    return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
+
+
+def destroy_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _reduce(values: Sequence[float], op: Any, device: torch.device | None) -> list[float]:
+    vals = [float(v) for v in values]
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return vals
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    # float64 keeps integer token counts exact up to 2**53
+    t = torch.tensor(vals, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.tolist()  # host sync: the caller needs the numbers (one per call, by design)
+
+
+def all_reduce_sum(values: Sequence[float], device: torch.device | None = None) -> list[float]:
+    """Sum each value over ranks with one collective."""
+    return _reduce(values, dist.ReduceOp.SUM, device)
+
+
+def all_reduce_max(values: Sequence[float], device: torch.device | None = None) -> list[float]:
+    """Max of each value over ranks with one collective."""
+    return _reduce(values, dist.ReduceOp.MAX, device)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class WorkerError(RuntimeError):
+    """A spawned worker raised; the message is that worker's one-line error."""
+
+
+def _worker(local_rank: int, num_procs: int, port: int, fn: Callable[..., Any], args: tuple, err_q: Any) -> None:
+    os.environ.update({
+        "RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(num_procs),
+        "LOCAL_WORLD_SIZE": str(num_procs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    })
+    try:
+        fn(*args)
+    except BaseException as e:  # report every failure, including SystemExit from validation
+        code = e.code if isinstance(e, SystemExit) else 1
+        if isinstance(e, SystemExit) and code in (0, None):
+            return
+        traceback.print_exc()
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        err_q.put((local_rank, f"{type(e).__name__}: {msg}"))
+        destroy_distributed()
+        # exit without mp's own traceback; the launcher prints the one-line error
+        os._exit(code if isinstance(code, int) else 1)
+    destroy_distributed()
+
+
+def launch_local(fn: Callable[..., Any], num_procs: int, *args: Any) -> None:
+    """Run `fn(*args)` in `num_procs` fresh processes forming one process group.
+
+    `fn` must be picklable (module-level). When a worker fails, the others are
+    terminated and WorkerError carries the first failing worker's one-line error.
+    """
+    if num_procs < 1:
+        raise ValueError("--actor-num-gpus-per-node: must be >= 1")
+    ctx = mp.get_context("spawn")
+    err_q = ctx.SimpleQueue()
+    port = free_port()
+    try:
+        mp.start_processes(_worker, args=(num_procs, port, fn, args, err_q), nprocs=num_procs,
+                           join=True, start_method="spawn")
+    except mp.ProcessRaisedException as e:  # pragma: no cover - _worker reports through err_q instead
+        raise WorkerError(str(e).strip().splitlines()[-1]) from None
+    except mp.ProcessExitedException as e:
+        if not err_q.empty():
+            rank, line = err_q.get()
+            raise WorkerError(f"rank {rank}: {line}") from None
+        raise WorkerError(f"rank {e.error_index}: exited with code {e.exit_code}") from None
+
+
+def main_exit_on_worker_error(fn: Callable[..., Any], num_procs: int, *args: Any) -> None:
+    """CLI helper: like launch_local, but print the worker's error and exit non-zero."""
+    try:
+        launch_local(fn, num_procs, *args)
+    except WorkerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None

@@ -1,0 +1,67 @@
+"""FSDP2 wrapping of the decoder (DESIGN.md §2 step 6).
+
+`fully_shard` is applied to every decoder layer, then to the root (embeddings,
+final norm, LM head). Parameters stay fp32 ("master weights") and sharded;
+MixedPrecisionPolicy all-gathers them in `param_dtype` (bf16 on GPU, fp32 on
+CPU) for compute and reduce-scatters gradients in fp32.
+
+Gradient reduction is a SUM over ranks, not FSDP's default mean: the losses are
+already weighted by the GLOBAL batch size / token count (batching.py), so each
+rank's gradient is its share of the global gradient and the shares add up.
+We set the divide factor to 1 and force plain SUM collectives (gloo has no
+PREMUL_SUM; for NCCL the two are the same at factor 1).
+
+One code path: the model is wrapped at every world size, including 1
+(init_distributed always forms a process group).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from furlong.train.distributed import DistContext
+
+
+def default_param_dtype(device: torch.device, dtype_flag: str = "auto") -> torch.dtype:
+    """Compute dtype from --dtype: auto = bf16 on GPU, fp32 on CPU."""
+    table = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    if dtype_flag == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype_flag not in table:
+        raise ValueError(f"--dtype: unknown dtype {dtype_flag!r} (auto, bf16, fp32)")
+    return table[dtype_flag]
+
+
+def shard_model(model: nn.Module, ctx: DistContext, param_dtype: torch.dtype,
+                reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True) -> nn.Module:
+    """Shard `model` (fp32, any device) in place over all ranks of `ctx`; returns it.
+
+    `model` must have a `.layers` ModuleList of decoder layers.
+    """
+    if not hasattr(model, "layers"):
+        raise ValueError("shard_model: model has no .layers ModuleList of decoder layers")
+    model.to(device=ctx.device, dtype=torch.float32)  # master weights are fp32
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # the root keeps embeddings/norm/head gathered after forward: its backward
+    # follows right away and it would be re-gathered otherwise
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            set_sum_reduction(m)
+    return model
+
+
+def set_sum_reduction(module: FSDPModule) -> None:
+    """Make FSDP reduce gradients by plain SUM over ranks (see module docstring)."""
+    module.set_gradient_divide_factor(1.0)
+    if hasattr(module, "set_force_sum_reduction_for_comms"):
+        module.set_force_sum_reduction_for_comms(True)
+
+
+def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]

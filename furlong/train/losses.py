@@ -1,0 +1,194 @@
+"""RL and SFT losses on packed micro-batches (DESIGN.md §5, miles semantics).
+
+Per response token, with logp the current policy, old the policy that the
+advantages refer to, ref the reference model and rollout the engine:
+
+    ratio = exp(clamp(logp - old, -20, 20))
+    pg    = max(-ratio*A, -clamp(ratio, 1-eps_clip, 1+eps_clip_high)*A)
+            (dual clip, A < 0 only: pg = min(pg, -c*A))
+    pg   *= clamp(exp(old - rollout), 0, tis_clip)        (--use-tis; detached)
+    total = pg + kl_loss_coef * KL(logp, ref) - entropy_coef * entropy
+
+The micro-batch loss is `sum(total * loss_weight)`. The weights (built in
+batching.token_loss_weights) already hold the aggregation — a sample's token
+mean divided by the global batch size, or one over the step's token count — so
+summing micro-batch losses (and gradients) over micro-batches and ranks gives
+exactly miles' step objective, however the samples were split.
+
+Metrics are weighted the same way, so summing a LossMetrics over the step's
+micro-batches and ranks gives the step's aggregate; they stay 0-d tensors so
+the trainer can reduce them with one collective and sync once per step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Callable
+
+import torch
+
+from furlong.types import MicroBatch
+
+# log-ratio clamp before exp(): keeps ratios finite for wildly off-policy tokens (as miles).
+LOG_RATIO_CLAMP = 20.0
+# low_var_kl output clamp (as miles).
+LOW_VAR_KL_CLAMP = 10.0
+
+
+def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                eps_clip: float, eps_clip_high: float, eps_clip_c: float | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO clipped surrogate per token.
+
+    Returns (pg [T], clipfrac [T] float: 1 where the clipped branch is the max,
+    ppo_kl [T] = old - logp).
+    """
+    log_ratio = log_probs - old_log_probs
+    ratio = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    unclipped = -ratio * advantages
+    clipped = -torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_clip_high) * advantages
+    pg = torch.maximum(unclipped, clipped)
+    clipfrac = (clipped > unclipped).float()
+    if eps_clip_c is not None:
+        # Dual clip bounds the loss of negative-advantage tokens whose ratio exploded.
+        dual = torch.minimum(pg, -eps_clip_c * advantages)
+        pg = torch.where(advantages < 0, dual, pg)
+    return pg, clipfrac, -log_ratio.detach()
+
+
+def _kl_k1(d: torch.Tensor) -> torch.Tensor:
+    return d
+
+
+def _kl_k2(d: torch.Tensor) -> torch.Tensor:
+    return d * d / 2
+
+
+def _kl_k3(d: torch.Tensor) -> torch.Tensor:
+    return torch.exp(-d) - 1 + d
+
+
+def _kl_low_var(d: torch.Tensor) -> torch.Tensor:
+    neg = torch.clamp(-d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.clamp(torch.exp(neg) - 1 - neg, -LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
+
+
+# Estimators of KL(policy || ref) from d = logp - ref_logp of sampled tokens.
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "k1": _kl_k1,
+    "k2": _kl_k2,
+    "k3": _kl_k3,
+    "low_var_kl": _kl_low_var,
+}
+
+
+def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL estimate [T] of the kind named by --kl-loss-type."""
+    try:
+        fn = KL_ESTIMATORS[kind]
+    except KeyError:
+        raise ValueError(f"--kl-loss-type: unknown type {kind!r} ({', '.join(KL_ESTIMATORS)})") from None
+    return fn(log_probs - ref_log_probs)
+
+
+def tis_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, clip: float) -> torch.Tensor:
+    """Truncated importance weights [T] = clamp(exp(old - rollout), 0, clip), no gradient."""
+    return torch.clamp(torch.exp(old_log_probs.detach() - rollout_log_probs), 0.0, clip)
+
+
+@dataclass
+class LossParams:
+    """Loss hyper-parameters (the --eps-clip ... --tis-clip flags)."""
+    eps_clip: float = 0.2
+    eps_clip_high: float = 0.2
+    eps_clip_c: float | None = None
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "k1"
+    entropy_coef: float = 0.0
+    use_tis: bool = False
+    tis_clip: float = 2.0
+
+    @classmethod
+    def from_config(cls, cfg) -> "LossParams":
+        """From a furlong.config.Config."""
+        a = cfg.algo
+        return cls(eps_clip=a.eps_clip, eps_clip_high=cfg.eps_clip_high, eps_clip_c=a.eps_clip_c,
+                   use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
+                   entropy_coef=a.entropy_coef, use_tis=a.use_tis, tis_clip=a.tis_clip)
+
+
+@dataclass
+class LossMetrics:
+    """Weighted sums (sum(x * loss_weight)) of one micro-batch; add them over the step.
+
+    All fields are 0-d float32 tensors on the loss's device (no host sync).
+    """
+    loss: torch.Tensor          # [] the optimized objective (detached)
+    pg_loss: torch.Tensor       # [] policy-gradient term (after TIS)
+    pg_clipfrac: torch.Tensor   # [] fraction of tokens on the clipped branch
+    ppo_kl: torch.Tensor        # [] old - logp
+    kl_loss: torch.Tensor       # [] KL estimate vs the reference (0 without --use-kl-loss)
+    entropy: torch.Tensor       # [] policy entropy (0 when not computed)
+
+    def __add__(self, other: "LossMetrics") -> "LossMetrics":
+        return LossMetrics(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def stacked(self) -> torch.Tensor:
+        """All metrics as one [K] tensor (one all-reduce, one host copy)."""
+        return torch.stack([getattr(self, f.name) for f in fields(self)])
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def zeros(cls, device: torch.device | str = "cpu") -> "LossMetrics":
+        return cls(*(torch.zeros((), device=device) for _ in fields(cls)))
+
+
+def _wsum(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return (x.detach().float() * weight).sum()
+
+
+def rl_loss(mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor | None,
+            params: LossParams) -> tuple[torch.Tensor, LossMetrics]:
+    """Micro-batch RL loss (scalar, sum of weighted per-token totals) and its metrics.
+
+    log_probs [T] and entropy [T] come from the training forward over mb's
+    positions (entropy may be None unless entropy_coef != 0). mb.old_log_probs
+    None means reuse: old = log_probs.detach() (exact with one step per rollout).
+    """
+    if entropy is None and params.entropy_coef != 0:
+        raise ValueError("--entropy-coef: non-zero entropy coefficient needs the entropy of the forward pass")
+    if params.use_kl_loss and mb.ref_log_probs is None:
+        raise ValueError("--use-kl-loss: micro-batch has no reference log-probs")
+    w = mb.loss_weight
+    old = log_probs.detach() if mb.old_log_probs is None else mb.old_log_probs
+    pg, clipfrac, ppo_kl = policy_loss(log_probs, old, mb.advantages,
+                                       params.eps_clip, params.eps_clip_high, params.eps_clip_c)
+    if params.use_tis:
+        pg = pg * tis_weights(old, mb.rollout_log_probs, params.tis_clip)
+    total = pg
+    zero = torch.zeros((), device=w.device)
+    kl_metric = zero
+    if params.use_kl_loss:
+        kl = kl_penalty(log_probs, mb.ref_log_probs, params.kl_loss_type)
+        total = total + params.kl_loss_coef * kl
+        kl_metric = _wsum(kl, w)
+    if params.entropy_coef != 0:
+        total = total - params.entropy_coef * entropy
+    loss = (total * w).sum()
+    metrics = LossMetrics(
+        loss=loss.detach().float(),
+        pg_loss=_wsum(pg, w),
+        pg_clipfrac=_wsum(clipfrac, w),
+        ppo_kl=_wsum(ppo_kl, w),
+        kl_loss=kl_metric,
+        entropy=zero if entropy is None else _wsum(entropy, w),
+    )
+    return loss, metrics
+
+
+def sft_loss(mb: MicroBatch, log_probs: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy with the same aggregation weights: -sum(log_probs * loss_weight)."""
+    return -(log_probs * mb.loss_weight).sum()

@@ -1,0 +1,121 @@
+"""AdamW and the learning-rate schedule (--optimizer, --lr* flags).
+
+Weight decay: applied to weights with >= 2 dims only; biases and norm weights
+(1-D) are not decayed, as Megatron does. miles' FSDP backend decays every
+parameter; we follow Megatron because decaying RMSNorm gains toward 0 is
+never what is wanted.
+
+Schedule (Megatron's OptimizerParamScheduler semantics), s = optimizer steps
+taken so far (LambdaLR's counter; the first update runs at s = 0):
+    s <= warmup                : lr * s / warmup                 (warmup > 0)
+    s > decay_iters            : min_lr
+    otherwise, r = (s - warmup) / (decay_iters - warmup):
+        constant: lr
+        linear  : min_lr + (lr - min_lr) * (1 - r)
+        cosine  : min_lr + (lr - min_lr) * 0.5 * (1 + cos(pi * r))
+decay_iters is --lr-decay-iters (counted from step 0, like Megatron's), by
+default the run's total optimizer steps, so decay lasts total - warmup steps.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable
+
+import torch
+
+from furlong.config import OptimConfig
+
+
+def _param_groups(params_or_model, weight_decay: float) -> list[dict]:
+    if isinstance(params_or_model, torch.nn.Module):
+        params = [p for p in params_or_model.parameters() if p.requires_grad]
+    else:
+        params = [p for p in params_or_model if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = []
+    if decay:
+        groups.append({"params": decay, "weight_decay": weight_decay})
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def _adamw(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+
+
+# --optimizer name -> constructor. "adam" is AdamW (decoupled decay), as in miles/Megatron.
+OPTIMIZERS: dict[str, Callable[[list[dict], OptimConfig], torch.optim.Optimizer]] = {
+    "adam": _adamw,
+}
+
+
+def build_optimizer(params_or_model: torch.nn.Module | Iterable[torch.nn.Parameter],
+                    optim_cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters; decay on >= 2-D weights only (see module docstring)."""
+    try:
+        make = OPTIMIZERS[optim_cfg.optimizer]
+    except KeyError:
+        raise ValueError(f"--optimizer: unknown optimizer {optim_cfg.optimizer!r} "
+                         f"({', '.join(OPTIMIZERS)})") from None
+    groups = _param_groups(params_or_model, optim_cfg.weight_decay)
+    if not groups:
+        raise ValueError("build_optimizer: no trainable parameters")
+    return make(groups, optim_cfg)
+
+
+def _constant(r: float) -> float:
+    return 1.0
+
+
+def _linear(r: float) -> float:
+    return 1.0 - r
+
+
+def _cosine(r: float) -> float:
+    return 0.5 * (1.0 + math.cos(math.pi * r))
+
+
+# --lr-decay-style -> coefficient in [0, 1] of (lr - min_lr) at decay progress r in [0, 1].
+DECAY_STYLES: dict[str, Callable[[float], float]] = {
+    "constant": _constant,
+    "linear": _linear,
+    "cosine": _cosine,
+}
+
+
+def lr_at_step(step: int, optim_cfg: OptimConfig, total_steps: int) -> float:
+    """Learning rate after `step` optimizer steps (see module docstring)."""
+    c = optim_cfg
+    try:
+        coeff = DECAY_STYLES[c.lr_decay_style]
+    except KeyError:
+        raise ValueError(f"--lr-decay-style: unknown style {c.lr_decay_style!r} "
+                         f"({', '.join(DECAY_STYLES)})") from None
+    warmup = c.lr_warmup_iters
+    if warmup > 0 and step <= warmup:
+        return c.lr * step / warmup
+    if c.lr_decay_style == "constant":
+        return c.lr
+    decay_iters = total_steps if c.lr_decay_iters is None else c.lr_decay_iters
+    if step > decay_iters:
+        return c.min_lr
+    r = (step - warmup) / (decay_iters - warmup)
+    return c.min_lr + (c.lr - c.min_lr) * coeff(r)
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim_cfg: OptimConfig,
+                       total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """LambdaLR following lr_at_step; call .step() after each optimizer.step()."""
+    c = optim_cfg
+    if c.lr_warmup_iters < 0:
+        raise ValueError(f"--lr-warmup-iters: must be >= 0, got {c.lr_warmup_iters}")
+    decay_iters = total_steps if c.lr_decay_iters is None else c.lr_decay_iters
+    if c.lr_decay_style != "constant" and decay_iters <= c.lr_warmup_iters:
+        raise ValueError(f"--lr-decay-iters: decay must end after warm-up ({decay_iters} <= "
+                         f"--lr-warmup-iters {c.lr_warmup_iters})")
+    lr_at_step(0, c, total_steps)  # validates the decay style before training starts
+    if c.lr == 0:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.0)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at_step(step, c, total_steps) / c.lr)
