@@ -56,7 +56,7 @@ def _per_sample(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     groups = q.shape[1] // k.shape[1]
     k, v = expand_kv(k, groups, 1), expand_kv(v, groups, 1)
     # .tolist() syncs with the device; this path runs on CPU (or as a test reference).
-    bounds = [0, cu_seqlens.tolist()[-1]]
+    bounds = cu_seqlens.tolist()
     out = torch.zeros_like(q)   # positions past cu_seqlens[-1] (if any) stay 0
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end <= start:

@@ -19,14 +19,19 @@ removed, thousands commas removed, `x = 5` reduced to `5` when the label has no
     are equal within a relative tolerance of 1e-6, except that two integers must
     be equal exactly (1000000 vs 1000001 is wrong, though within 1e-6);
   * otherwise the normalized strings are equal;
-  * otherwise both sides are translated to sympy syntax and compared: numerically
-    (relative tolerance 1e-6) when neither has free symbols, else by
-    `simplify(a - b) == 0`.
-Deviation from "timeout": the sympy path is bounded by input checks instead of a
-wall-clock timer, which keeps the reward deterministic and thread-safe: inputs
-longer than 200 characters, characters outside a small whitelist, unknown
-multi-letter names and nested or huge exponents are refused (scored 0). Any
-exception inside scoring also gives 0, so model output can never crash training.
+  * otherwise both sides are parsed by sympy (after translating `\\frac`,
+    `\\sqrt`, `^`, `\\cdot`, `\\pi`, ...) and compared: exactly when both are
+    rationals, else by value at 30 digits (relative tolerance 1e-6) — for
+    expressions with variables, at 3 fixed generic points (a deterministic
+    polynomial-identity style test).
+Deviations, both for bounded cost: (1) `simplify(a - b) == 0` is not used; it
+can take minutes (e.g. expanding `(x+1)^{9999} - (x+2)^{9998}`), while numeric
+evaluation at fixed points cannot blow up and agrees with it on real answers.
+(2) There is no wall-clock timeout, which keeps the reward deterministic and
+thread-safe; instead inputs longer than 200 characters, characters outside a
+small whitelist, unknown multi-letter names and nested or >9999 exponents are
+refused (scored 0). Any exception inside scoring also gives 0, so model output
+can never crash training.
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ from fractions import Fraction
 REL_TOL = 1e-6           # relative tolerance for numeric equality
 MAX_SYMPY_CHARS = 200    # longer expressions are not handed to sympy (cost bound)
 MAX_EXPONENT_DIGITS = 4  # integer exponents above 9999 are refused (huge integers)
+NUM_TEST_POINTS = 3      # points of the numeric identity test for expressions with variables
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _HASH_RE = re.compile(r"####")
@@ -48,8 +54,9 @@ _FRACTION_RE = re.compile(r"([+-]?)\\frac\{(\d+)\}\{(\d+)\}")
 _MIXED_RE = re.compile(r"([+-]?)(\d+)\s*\\frac\{(\d+)\}\{(\d+)\}")
 _SLASH_RE = re.compile(r"[+-]?(\d+)\s*/\s*(\d+)")
 # What may follow a number as a unit: words separated from it ("5 m", "18 dollars
-# per day"), or 2+ letters attached ("5cm"). A single attached letter ("2x") is algebra.
-_UNIT_RE = re.compile(r"(?:\s+[A-Za-z]|[A-Za-z]{2})[A-Za-z0-9\s.\-/'^()]*")
+# per day"), 2+ letters attached ("5cm") or a rate ("18/hour"). A single attached
+# letter ("2x") is algebra, not a unit.
+_UNIT_RE = re.compile(r"(?:\s+[A-Za-z]|[A-Za-z]{2}|\s*/\s*[A-Za-z]{2})[A-Za-z0-9\s.\-/'^()]*")
 _THOUSANDS_RE = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 _TEXT_CMD_RE = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
 _DROP = ("\\left", "\\right", "\\displaystyle", "\\!", "\\,", "\\;", "\\:", "\\ ", "\\$", "\\%",
@@ -267,18 +274,46 @@ def _sympy_equal(a: str, b: str) -> bool:
     # The parser emits Integer(..)/Float(..)/Symbol(..) calls; nothing else is reachable
     # because the text was whitelisted above.
     builtins = {k: getattr(sympy, k) for k in ("Integer", "Float", "Rational", "Symbol")}
-    ea = parse_expr(ta, local_dict=dict(names), global_dict=dict(builtins), transformations=transforms)
-    eb = parse_expr(tb, local_dict=dict(names), global_dict=dict(builtins), transformations=transforms)
+    try:
+        ea = parse_expr(ta, local_dict=dict(names), global_dict=dict(builtins), transformations=transforms)
+        eb = parse_expr(tb, local_dict=dict(names), global_dict=dict(builtins), transformations=transforms)
+    except Exception:  # noqa: BLE001 - untrusted text: tokenizer/syntax/type errors all mean "no match"
+        return False
     if not (isinstance(ea, sympy.Expr) and isinstance(eb, sympy.Expr)):
         return False
     if ea.is_Rational and eb.is_Rational:  # exact values (integers stay exact)
         return bool(ea == eb)
-    if not ea.free_symbols and not eb.free_symbols:
-        va, vb = complex(sympy.N(ea, 30)), complex(sympy.N(eb, 30))
-        return (all(map(math.isfinite, (va.real, va.imag, vb.real, vb.imag)))
-                and abs(va - vb) <= REL_TOL * max(abs(va), abs(vb)) + 1e-12)
-    diff = ea - eb
-    return sympy.expand(diff) == 0 or sympy.simplify(diff) == 0
+    symbols = sorted(ea.free_symbols | eb.free_symbols, key=str)
+    if not symbols:
+        va, vb = _value(ea, {}), _value(eb, {})
+        return va is not None and vb is not None and _close(va, vb)
+    # Identity test at fixed, "generic" points (positive, so sqrt/log stay real):
+    # two different expressions agreeing at all of them is vanishingly unlikely.
+    agreed = 0
+    for k in range(NUM_TEST_POINTS):
+        point = {x: sympy.Float(0.5377 + 0.8123 * k + 0.2719 * j, 30) for j, x in enumerate(symbols)}
+        va, vb = _value(ea, point), _value(eb, point)
+        if va is None or vb is None:
+            continue
+        if not _close(va, vb):
+            return False
+        agreed += 1
+    return agreed >= 2
+
+
+def _value(expr, point: dict):
+    """Value of `expr` at `point` as a 30-digit sympy number, or None if undefined/infinite.
+
+    Stays in sympy (not Python complex) so huge magnitudes like 1.37**9999 compare fine."""
+    try:
+        v = expr.evalf(30, subs=point)
+    except Exception:  # noqa: BLE001 - e.g. a function of the wrong arity: undefined here
+        return None
+    return v if v.is_number and v.is_finite else None
+
+
+def _close(va, vb) -> bool:
+    return bool(abs(va - vb) <= REL_TOL * max(abs(va), abs(vb)) + 1e-12)
 
 
 # ------------------------------------------------------------------- scoring

@@ -30,6 +30,7 @@ import dataclasses
 import logging
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -90,6 +91,18 @@ class TrainMetrics:
     def to_log(self) -> dict[str, float]:
         """`train/*` metric names of DESIGN.md §7."""
         return {f"train/{f.name}": getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "seconds"}
+
+
+@dataclass
+class _StepResult:
+    """One optimizer step, on the host."""
+    metrics: LossMetrics          # step aggregates, 0-d CPU tensors (summed over micro-batches and ranks)
+    grad_norm: float
+    finite: bool                  # False: non-finite grad norm, update skipped
+    lr: float
+    num_micro_batches: int
+    num_tokens: int
+    tokens_max_over_mean: float
 
 
 def _dummy_micro_batch(has_old: bool, has_ref: bool) -> MicroBatch:
@@ -161,9 +174,11 @@ class Actor:
 
     def _step_chunks(self, num_samples: int) -> list[list[int]]:
         n = self.num_optimizer_steps(num_samples)
-        if num_samples % n != 0 or num_samples < n:
-            flag = "--num-steps-per-rollout" if self.cfg.batch.num_steps_per_rollout else "--global-batch-size"
-            raise ValueError(f"{flag}: {num_samples} samples do not split into {n} equal optimizer steps")
+        b = self.cfg.batch
+        if b.num_steps_per_rollout is not None and num_samples % n != 0:
+            raise ValueError(f"--num-steps-per-rollout: {num_samples} samples do not split into {n} equal steps")
+        if b.num_steps_per_rollout is None and b.global_batch_size is not None and num_samples % b.global_batch_size:
+            raise ValueError(f"--global-batch-size: {num_samples} samples are not a multiple of {b.global_batch_size}")
         size = num_samples // n
         return [list(range(k * size, (k + 1) * size)) for k in range(n)]
 
@@ -190,7 +205,11 @@ class Actor:
     # ------------------------------------------------------------------ forward
 
     def _log_probs(self, model: torch.nn.Module, mb: MicroBatch, with_entropy: bool):
-        hidden = model.forward_packed(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
+        with warnings.catch_warnings():
+            # FSDP2 warns that forward_packed returns a view (row 0 of [1, T, H]); nothing here
+            # modifies it in place, which is what the warning is about
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
+            hidden = model.forward_packed(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
         weight = model.output_weight  # the root stays unsharded after forward (fsdp.py)
         return chunked_log_probs(hidden, weight.to(hidden.dtype), mb.targets,
                                  self.cfg.rollout.rollout_temperature, LOGPROB_CHUNK, with_entropy)
@@ -260,21 +279,21 @@ class Actor:
         if self.loss_params.use_kl_loss and any(s.ref_log_probs is None for s in samples):
             ref = self.compute_log_probs(samples, "ref")
             samples = [dataclasses.replace(s, ref_log_probs=r) for s, r in zip(samples, ref)]
-        per_step = [self._optimizer_step([samples[i] for i in idx]) for idx in chunks]
-        n = len(per_step)
-        finite = [m for m in per_step if m["finite"]] or per_step
-        mean = lambda key: sum(m[key] for m in per_step) / n  # noqa: E731
+        steps = [self._optimizer_step([samples[i] for i in idx]) for idx in chunks]
+        n = len(steps)
+        finite = [st for st in steps if st.finite] or steps
+        mean = lambda name: float(sum(getattr(st.metrics, name) for st in steps)) / n  # noqa: E731
         return TrainMetrics(
             loss=mean("loss"), pg_loss=mean("pg_loss"), pg_clipfrac=mean("pg_clipfrac"), ppo_kl=mean("ppo_kl"),
             entropy=mean("entropy"), kl_loss=mean("kl_loss"),
-            grad_norm=sum(m["grad_norm"] for m in finite) / len(finite), lr=per_step[-1]["lr"], num_steps=n,
-            num_skipped_steps=sum(not m["finite"] for m in per_step),
-            num_micro_batches=sum(m["num_micro_batches"] for m in per_step),
-            tokens_max_over_mean=max(m["balance"] for m in per_step),
-            num_tokens=sum(m["num_tokens"] for m in per_step), seconds=time.perf_counter() - t0,
+            grad_norm=sum(st.grad_norm for st in finite) / len(finite), lr=steps[-1].lr, num_steps=n,
+            num_skipped_steps=sum(not st.finite for st in steps),
+            num_micro_batches=sum(st.num_micro_batches for st in steps),
+            tokens_max_over_mean=max(st.tokens_max_over_mean for st in steps),
+            num_tokens=sum(st.num_tokens for st in steps), seconds=time.perf_counter() - t0,
         )
 
-    def _optimizer_step(self, samples: list[TrainSample]) -> dict[str, float]:
+    def _optimizer_step(self, samples: list[TrainSample]) -> "_StepResult":
         cfg, ctx = self.cfg, self.ctx
         lengths = [s.num_tokens for s in samples]
         split, plans = self._plan_ranks(lengths)
@@ -308,19 +327,17 @@ class Actor:
         # The one host sync of the step: metrics are needed on the host for logging, and a
         # non-finite grad norm must skip the update (same decision on every rank: the norm is global).
         host = torch.cat([stacked, grad_norm.reshape(1).float().to(stacked.device)]).tolist()
-        out = dict(zip(LossMetrics.names(), host[:-1]))
-        out["grad_norm"] = host[-1]
-        out["finite"] = math.isfinite(host[-1])
-        out["lr"] = self.scheduler.get_last_lr()[0]
-        if out["finite"]:
+        norm = host[-1]
+        lr = self.scheduler.get_last_lr()[0]
+        if math.isfinite(norm):
             self.optimizer.step()
         else:
-            log.warning("skipping optimizer step: grad norm is %s", host[-1])
+            log.warning("skipping optimizer step: grad norm is %s", norm)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         rank_tokens = [sum(lengths[i] for i in idx) for idx in split]
         mean_tokens = sum(rank_tokens) / len(rank_tokens)
-        out["balance"] = max(rank_tokens) / mean_tokens if mean_tokens > 0 else 1.0
-        out["num_micro_batches"] = num_mb
-        out["num_tokens"] = sum(lengths)
-        return out
+        return _StepResult(
+            metrics=LossMetrics(*(torch.tensor(v) for v in host[:-1])), grad_norm=norm, finite=math.isfinite(norm),
+            lr=lr, num_micro_batches=num_mb, num_tokens=sum(lengths),
+            tokens_max_over_mean=max(rank_tokens) / mean_tokens if mean_tokens > 0 else 1.0)

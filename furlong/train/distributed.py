@@ -23,7 +23,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 
 
 @dataclass
@@ -134,32 +135,50 @@ def _worker(local_rank: int, num_procs: int, port: int, fn: Callable[..., Any], 
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         err_q.put((local_rank, f"{type(e).__name__}: {msg}"))
         destroy_distributed()
-        # exit without mp's own traceback; the launcher prints the one-line error
+        # skip interpreter teardown of a half-failed group; the launcher prints the one-line error
         os._exit(code if isinstance(code, int) else 1)
     destroy_distributed()
 
 
 def launch_local(fn: Callable[..., Any], num_procs: int, *args: Any) -> None:
-    """Run `fn(*args)` in `num_procs` fresh processes forming one process group.
+    """Run `fn(*args)` in `num_procs` fresh (spawned) processes forming one process group.
 
     `fn` must be picklable (module-level). When a worker fails, the others are
     terminated and WorkerError carries the first failing worker's one-line error.
+    Plain multiprocessing rather than torch.multiprocessing.start_processes: the
+    latter's exit path costs seconds per launch, which the CPU tests feel.
     """
     if num_procs < 1:
         raise ValueError("--actor-num-gpus-per-node: must be >= 1")
     ctx = mp.get_context("spawn")
     err_q = ctx.SimpleQueue()
     port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, num_procs, port, fn, args, err_q), daemon=False)
+             for r in range(num_procs)]
+    for p in procs:
+        p.start()
+    failed = None
     try:
-        mp.start_processes(_worker, args=(num_procs, port, fn, args, err_q), nprocs=num_procs,
-                           join=True, start_method="spawn")
-    except mp.ProcessRaisedException as e:  # pragma: no cover - _worker reports through err_q instead
-        raise WorkerError(str(e).strip().splitlines()[-1]) from None
-    except mp.ProcessExitedException as e:
+        alive = list(procs)
+        while alive and failed is None:
+            mp_connection.wait([p.sentinel for p in alive])
+            for p in list(alive):
+                if p.exitcode is not None:
+                    alive.remove(p)
+                    if p.exitcode != 0 and failed is None:
+                        failed = p
+    finally:
+        for p in procs:  # a failed rank leaves the others blocked in collectives
+            if p.exitcode is None:
+                p.terminate()
+        for p in procs:
+            p.join()
+    if failed is not None:
+        rank = procs.index(failed)
         if not err_q.empty():
             rank, line = err_q.get()
-            raise WorkerError(f"rank {rank}: {line}") from None
-        raise WorkerError(f"rank {e.error_index}: exited with code {e.exit_code}") from None
+            raise WorkerError(f"rank {rank}: {line}")
+        raise WorkerError(f"rank {rank}: exited with code {failed.exitcode}")
 
 
 def main_exit_on_worker_error(fn: Callable[..., Any], num_procs: int, *args: Any) -> None:

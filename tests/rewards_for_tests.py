@@ -1,0 +1,27 @@
+"""Reward functions for the CLI tests (`--custom-rm-path tests.rewards_for_tests.<fn>`).
+
+A tiny random model never answers a math problem correctly, so `--rm-type math`
+would give every sample reward 0 and the dynamic-sampling filter would drop
+every group. `hash_reward` is a deterministic function of the response text
+that differs between the responses of a group, so groups pass the filter.
+"""
+from __future__ import annotations
+
+import zlib
+
+from furlong.types import Sample
+
+
+def hash_reward(sample: Sample) -> float:
+    """0 or 1 from a CRC of the response text: deterministic, varies within a group."""
+    return float(zlib.crc32(sample.response_text.encode("utf-8")) % 2)
+
+
+def length_reward(sample: Sample) -> float:
+    """Response length in tokens, scaled: deterministic and rarely equal within a group."""
+    return len(sample.response_ids) / 10.0
+
+
+def zero_reward(sample: Sample) -> float:
+    """Always 0: every group has zero reward std, so the dynamic filter drops all of them."""
+    return 0.0

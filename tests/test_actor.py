@@ -1,0 +1,185 @@
+"""Actor: log-prob passes, reuse, optimizer-step splitting, weight sync, launcher, memory probe.
+
+Single-process tests run in this pytest process on a one-rank gloo group
+(init_distributed always forms a group); two-rank tests spawn workers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
+
+from furlong.config import Config  # noqa: E402
+from furlong.models.hf_io import load_pretrained  # noqa: E402
+from furlong.train.actor import Actor  # noqa: E402
+from furlong.train.distributed import WorkerError, all_reduce_max, all_reduce_sum, init_distributed, launch_local  # noqa: E402
+from furlong.types import TrainSample  # noqa: E402
+
+VOCAB = 128
+
+
+# ---------------------------------------------------------------- shared helpers (other test files import them)
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", family="qwen3", vocab_size=VOCAB,
+                                 hidden=32, layers=2, heads=4, kv_heads=2, tie=False, init_std=0.05)
+
+
+def tiny_config(**overrides) -> Config:
+    """Config with lr 1e-3 and `overrides` set by field name in whichever group defines it."""
+    cfg = Config()
+    cfg.optim.lr = 1e-3
+    cfg.rollout.num_rollout = 4
+    groups = [getattr(cfg, f.name) for f in dataclasses.fields(cfg)]
+    for key, value in overrides.items():
+        owner = [g for g in groups if hasattr(g, key)]
+        if len(owner) != 1:
+            raise KeyError(key)
+        setattr(owner[0], key, value)
+    return cfg
+
+
+def synthetic_samples(lengths: list[int], seed: int = 0) -> list[TrainSample]:
+    """Deterministic samples with the given total token counts; prompts of 2-5 tokens;
+    sample 1 (when present) masks out half of its response."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, n in enumerate(lengths):
+        p = 2 + i % 4 if n > 5 else 1
+        r = n - p
+        mask = None
+        if i == 1:
+            mask = torch.ones(r)
+            mask[: r // 2] = 0
+        out.append(TrainSample(
+            token_ids=torch.randint(0, VOCAB, (n,), generator=g), num_prompt_tokens=p,
+            advantages=torch.randn(r, generator=g), rollout_log_probs=-torch.rand(r, generator=g) * 5,
+            loss_mask=mask))
+    return out
+
+
+def full_weights(actor: Actor) -> dict[str, torch.Tensor]:
+    return {n: p.full_tensor().detach().clone() for n, p in actor.model.named_parameters()}
+
+
+def full_grads(actor: Actor) -> dict[str, torch.Tensor]:
+    return {n: p.grad.full_tensor().clone() for n, p in actor.model.named_parameters()}
+
+
+def capture_grads(actor: Actor) -> dict[str, torch.Tensor]:
+    """Patch the optimizer so the gradients of the (last) step are recorded before it runs."""
+    store: dict[str, torch.Tensor] = {}
+    actor.optimizer.register_step_pre_hook(lambda *_: store.update(full_grads(actor)))
+    return store
+
+
+# ---------------------------------------------------------------- log-probs
+
+def test_compute_log_probs_matches_unpacked_forward(tiny_ckpt):
+    ctx = init_distributed("cpu")
+    cfg = tiny_config(use_dynamic_batch_size=True, max_tokens_per_gpu="30", rollout_temperature=0.7)
+    actor = Actor(load_pretrained(tiny_ckpt), cfg, ctx)
+    samples = synthetic_samples([17, 9, 25, 6, 12])
+    got = actor.compute_log_probs(samples, "old")
+    plain = load_pretrained(tiny_ckpt)
+    with torch.no_grad():
+        for s, lp in zip(samples, got):
+            logits = plain(s.token_ids[None])[0].float() / 0.7
+            want = F.log_softmax(logits, -1)[:-1].gather(1, s.token_ids[1:, None])[:, 0][s.num_prompt_tokens - 1:]
+            assert lp.shape == (s.num_response_tokens,)
+            torch.testing.assert_close(lp, want, rtol=1e-5, atol=1e-5)
+
+
+def test_ref_log_probs_need_kl_loss(tiny_ckpt):
+    actor = Actor(load_pretrained(tiny_ckpt), tiny_config(), init_distributed("cpu"))
+    with pytest.raises(ValueError, match="ref"):
+        actor.compute_log_probs(synthetic_samples([8]), "ref")
+
+
+# ---------------------------------------------------------------- log-prob reuse
+
+def test_reuse_equals_two_pass(tiny_ckpt):
+    """old_log_probs None (reuse) gives the same loss, gradients and update as a separate pass."""
+    ctx = init_distributed("cpu")
+    samples = synthetic_samples([14, 9, 20, 7])
+    results = []
+    for explicit in (False, True):
+        cfg = tiny_config(micro_batch_size=2, eps_clip_high=0.28)
+        actor = Actor(load_pretrained(tiny_ckpt), cfg, ctx)
+        assert actor.reuses_old_log_probs(len(samples))
+        batch = samples
+        if explicit:
+            old = actor.compute_log_probs(samples, "old")
+            batch = [dataclasses.replace(s, old_log_probs=o) for s, o in zip(samples, old)]
+        grads = capture_grads(actor)
+        m = actor.train_step(batch)
+        results.append((m, grads, full_weights(actor)))
+    (m0, g0, w0), (m1, g1, w1) = results
+    assert m0.loss == pytest.approx(m1.loss, rel=1e-6, abs=1e-8)
+    assert m0.ppo_kl == m1.ppo_kl == 0.0
+    for n in g0:
+        torch.testing.assert_close(g0[n], g1[n], rtol=1e-5, atol=1e-8)
+        torch.testing.assert_close(w0[n], w1[n], rtol=1e-6, atol=1e-8)
+
+
+def test_reuse_flag_rejected_with_several_steps(tiny_ckpt):
+    actor = Actor(load_pretrained(tiny_ckpt), tiny_config(global_batch_size=2, skip_actor_forward_only=True),
+                  init_distributed("cpu"))
+    with pytest.raises(ValueError, match="--skip-actor-forward-only"):
+        actor.train_step(synthetic_samples([6, 7, 8, 9]))
+
+
+# ---------------------------------------------------------------- optimizer steps
+
+def test_several_optimizer_steps_per_rollout(tiny_ckpt):
+    """--global-batch-size 2 on 4 samples: two updates; old log-probs are computed once,
+    before the first update (so the second step sees ppo_kl != 0)."""
+    ctx = init_distributed("cpu")
+    cfg = tiny_config(global_batch_size=2, lr=1e-2)
+    actor = Actor(load_pretrained(tiny_ckpt), cfg, ctx)
+    assert not actor.reuses_old_log_probs(4)
+    samples = synthetic_samples([10, 12, 9, 11])
+    before = full_weights(actor)
+    m = actor.train_step(samples)
+    assert m.num_steps == 2 and m.num_micro_batches == 4 and m.num_tokens == 42
+    assert m.ppo_kl != 0.0 and m.num_skipped_steps == 0
+    assert any(not torch.equal(before[n], w) for n, w in full_weights(actor).items())
+    assert actor.scheduler.last_epoch == 2
+    with pytest.raises(ValueError, match="--global-batch-size"):
+        actor.train_step(synthetic_samples([10, 12, 9]))
+
+
+def test_sft_loss_trains(tiny_ckpt):
+    """Actor(loss='sft') lowers the cross-entropy of the data it trains on."""
+    ctx = init_distributed("cpu")
+    actor = Actor(load_pretrained(tiny_ckpt), tiny_config(lr=1e-2, micro_batch_size=4), ctx, loss="sft")
+    samples = synthetic_samples([12, 10, 14])
+    losses = [actor.train_step(samples).loss for _ in range(4)]
+    assert losses[-1] < losses[0]
+    nll = -sum(float(lp.mean()) for lp in actor.compute_log_probs(samples)) / 3
+    assert nll == pytest.approx(losses[0], rel=0.5)  # same scale: mean token NLL
+
+
+# ---------------------------------------------------------------- distributed helpers
+
+def _failing_worker(bad_rank: int) -> None:
+    ctx = init_distributed("cpu")
+    assert all_reduce_sum([1, 2.5]) == [2.0, 5.0]
+    assert all_reduce_max([ctx.rank, -ctx.rank]) == [1.0, 0.0]
+    if ctx.rank == bad_rank:
+        raise ValueError("--lr: worker says no\nsecond line")
+    torch.distributed.barrier()  # the healthy rank blocks here until it is terminated
+
+
+def test_launch_local_reports_worker_error():
+    with pytest.raises(WorkerError, match=r"^rank 1: ValueError: --lr: worker says no$"):
+        launch_local(_failing_worker, 2, 1)

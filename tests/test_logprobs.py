@@ -1,0 +1,154 @@
+"""chunked_log_probs against the naive full-logits computation (values and gradients)."""
+import pytest
+import torch
+
+from furlong.train.logprobs import chunked_log_probs
+
+
+def naive(hidden, weight, targets, temperature):
+    z = (hidden @ weight.t()) / temperature
+    logp_all = torch.log_softmax(z, dim=-1)
+    logp = logp_all.gather(1, targets[:, None]).squeeze(1)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, ent
+
+
+def make(num_tokens, hidden_size=16, vocab=37, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(num_tokens, hidden_size, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden_size, generator=g, dtype=torch.float64) * 0.5).to(dtype).requires_grad_()
+    y = torch.randint(0, vocab, (num_tokens,), generator=g)
+    return h, w, y
+
+
+def grads_of(fn, h, w, a, b):
+    """Gradients of sum(a*logp) + sum(b*entropy) (b None: no entropy term)."""
+    h.grad = w.grad = None
+    logp, ent = fn()
+    loss = (a * logp).sum() + ((b * ent).sum() if b is not None else 0.0)
+    loss.backward()
+    return logp.detach(), None if ent is None else ent.detach(), h.grad.clone(), w.grad.clone()
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 4, 7, 100])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_matches_naive_fp32(chunk_size, temperature, with_entropy):
+    h, w, y = make(10)
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(10, generator=g)
+    b = torch.randn(10, generator=g) if with_entropy else None
+    lp, ent, gh, gw = grads_of(lambda: chunked_log_probs(h, w, y, temperature, chunk_size, with_entropy),
+                               h, w, a, b)
+    assert lp.dtype == torch.float32
+    assert (ent is not None) == with_entropy
+
+    def ref():
+        logp, e = naive(h.double(), w.double(), y, temperature)
+        return logp, e if with_entropy else None
+    rlp, rent, rgh, rgw = grads_of(ref, h, w, a.double(), None if b is None else b.double())
+    torch.testing.assert_close(lp, rlp.float(), atol=1e-5, rtol=1e-5)
+    if with_entropy:
+        torch.testing.assert_close(ent, rent.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gh, rgh, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gw, rgw, atol=1e-5, rtol=1e-5)
+
+
+def test_gradcheck_fp64():
+    h, w, y = make(9, hidden_size=6, vocab=11, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda h, w: chunked_log_probs(h, w, y, 0.6, 4, True), (h, w))
+    assert torch.autograd.gradcheck(lambda h, w: chunked_log_probs(h, w, y, 1.3, 2, False)[0], (h, w))
+
+
+def test_gradient_through_entropy_only():
+    h, w, y = make(5)
+    _, ent = chunked_log_probs(h, w, y, 0.9, 2, True)
+    ent.sum().backward()
+    gh, gw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    naive(h, w, y, 0.9)[1].sum().backward()
+    torch.testing.assert_close(gh, h.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gw, w.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_empty():
+    h, w, y = make(0)
+    lp, ent = chunked_log_probs(h, w, y, 0.5, 4, True)
+    assert lp.shape == (0,) and ent.shape == (0,)
+    (lp.sum() + ent.sum()).backward()
+    assert h.grad.shape == h.shape
+    assert torch.count_nonzero(w.grad) == 0
+
+
+def test_frozen_weight_and_no_grad():
+    h, w, y = make(6)
+    w.requires_grad_(False)
+    lp, _ = chunked_log_probs(h, w, y)
+    lp.sum().backward()
+    h2 = h.detach().clone().requires_grad_()
+    naive(h2, w, y, 1.0)[0].sum().backward()
+    torch.testing.assert_close(h.grad, h2.grad, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        lp, _ = chunked_log_probs(h, w, y, chunk_size=4)
+    assert lp.grad_fn is None
+
+
+def test_bf16_inputs_return_fp32():
+    h, w, y = make(13, dtype=torch.bfloat16)
+    lp, ent = chunked_log_probs(h, w, y, 0.8, 5, True)
+    assert lp.dtype == torch.float32 and ent.dtype == torch.float32
+    # Reference: the same bf16 matmul, then fp32 softmax math.
+    z = (h.detach() @ w.detach().t()).float()
+    rlp, rent = naive(z, torch.eye(z.shape[1]), y, 0.8)
+    torch.testing.assert_close(lp, rlp, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ent, rent, atol=1e-4, rtol=1e-4)
+    (lp.sum() + ent.sum()).backward()
+    assert h.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.bfloat16
+    hf, wf = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    a, b = naive(hf, wf, y, 0.8)
+    (a.sum() + b.sum()).backward()
+    torch.testing.assert_close(h.grad.float(), hf.grad, atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(w.grad.float(), wf.grad, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("bad", ["dtype", "shape", "targets", "chunk", "temperature"])
+def test_bad_input(bad):
+    h, w, y = make(4)
+    kwargs = {}
+    if bad == "dtype":
+        w = w.detach().double()
+    elif bad == "shape":
+        w = w.detach()[:, :3]
+    elif bad == "targets":
+        y = y[:2]
+    elif bad == "chunk":
+        kwargs["chunk_size"] = 0
+    else:
+        kwargs["temperature"] = 0.0
+    with pytest.raises(ValueError):
+        chunked_log_probs(h, w, y, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_matches_fp32_and_saves_memory():
+    torch.manual_seed(0)
+    num_tokens, hidden_size, vocab = 8192, 256, 32768
+    h = (torch.randn(num_tokens, hidden_size, device="cuda") * 0.5).bfloat16().requires_grad_()
+    w = (torch.randn(vocab, hidden_size, device="cuda") * 0.05).bfloat16().requires_grad_()
+    y = torch.randint(0, vocab, (num_tokens,), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    lp, ent = chunked_log_probs(h, w, y, 0.9, 1024, True)
+    (lp.sum() + ent.sum()).backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak < num_tokens * vocab * 4  # less than one fp32 [T, V] tensor
+    hf, wf = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    rlp, rent = naive(hf, wf, y, 0.9)
+    (rlp.sum() + rent.sum()).backward()
+    torch.testing.assert_close(lp, rlp, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(ent, rent, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(h.grad.float(), hf.grad, atol=2e-2, rtol=5e-2)
+    torch.testing.assert_close(w.grad.float(), wf.grad, atol=2e-2, rtol=5e-2)

@@ -1,0 +1,101 @@
+"""AdamW parameter groups and the LR schedule vs a direct formula."""
+import math
+
+import pytest
+import torch
+
+from furlong.config import OptimConfig
+from furlong.train.optimizer import DECAY_STYLES, build_lr_scheduler, build_optimizer, lr_at_step
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.lin = torch.nn.Linear(4, 4)          # weight decays, bias does not
+        self.norm = torch.nn.LayerNorm(4)         # neither decays
+        self.frozen = torch.nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+
+
+def test_param_groups_and_hyperparameters():
+    cfg = OptimConfig(lr=3e-4, weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.98, adam_eps=1e-6)
+    m = Tiny()
+    opt = build_optimizer(m, cfg)
+    assert isinstance(opt, torch.optim.AdamW)
+    by_decay = {g["weight_decay"]: {id(p) for p in g["params"]} for g in opt.param_groups}
+    assert by_decay[0.1] == {id(m.emb.weight), id(m.lin.weight)}
+    assert by_decay[0.0] == {id(m.lin.bias), id(m.norm.weight), id(m.norm.bias)}
+    g = opt.param_groups[0]
+    assert g["lr"] == 3e-4 and g["betas"] == (0.8, 0.98) and g["eps"] == 1e-6
+    # An iterable of parameters works too.
+    opt2 = build_optimizer(list(m.parameters()), cfg)
+    assert sum(len(g["params"]) for g in opt2.param_groups) == 5
+
+
+def test_decay_step_matches_adamw_formula():
+    cfg = OptimConfig(lr=0.1, weight_decay=0.5, adam_beta1=0.9, adam_beta2=0.99, adam_eps=1e-8)
+    w = torch.nn.Parameter(torch.tensor([[1.0, -2.0]]))
+    b = torch.nn.Parameter(torch.tensor([3.0]))
+    opt = build_optimizer([w, b], cfg)
+    w.grad, b.grad = torch.tensor([[0.5, 0.5]]), torch.tensor([0.5])
+    opt.step()
+    # First Adam step moves by lr * sign(g) (bias-corrected m/sqrt(v) = 1); decay only on w.
+    torch.testing.assert_close(w.detach(), torch.tensor([[1.0 * (1 - 0.05) - 0.1, -2.0 * (1 - 0.05) - 0.1]]))
+    torch.testing.assert_close(b.detach(), torch.tensor([3.0 - 0.1]))
+
+
+def direct_lr(s, lr, min_lr, style, warmup, decay_iters):
+    if warmup > 0 and s <= warmup:
+        return lr * s / warmup
+    if style == "constant":
+        return lr
+    if s > decay_iters:
+        return min_lr
+    r = (s - warmup) / (decay_iters - warmup)
+    coeff = {"linear": 1 - r, "cosine": 0.5 * (1 + math.cos(math.pi * r))}[style]
+    return min_lr + (lr - min_lr) * coeff
+
+
+@pytest.mark.parametrize("style", sorted(DECAY_STYLES))
+@pytest.mark.parametrize("warmup,decay_iters", [(0, None), (3, None), (2, 7)])
+def test_schedule_matches_direct_formula(style, warmup, decay_iters):
+    total = 10
+    cfg = OptimConfig(lr=2e-3, min_lr=1e-4, lr_decay_style=style, lr_warmup_iters=warmup,
+                      lr_decay_iters=decay_iters)
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    opt = build_optimizer([p], cfg)
+    sched = build_lr_scheduler(opt, cfg, total)
+    seen = []
+    for s in range(total + 3):
+        seen.append(opt.param_groups[0]["lr"])
+        assert lr_at_step(s, cfg, total) == pytest.approx(seen[-1], rel=1e-12, abs=1e-15)
+        opt.step()
+        sched.step()
+    want = [direct_lr(s, 2e-3, 1e-4, style, warmup, total if decay_iters is None else decay_iters)
+            for s in range(total + 3)]
+    assert seen == pytest.approx(want, rel=1e-12, abs=1e-15)
+    if warmup:
+        assert seen[0] == 0.0 and seen[warmup] == pytest.approx(2e-3)
+    if style != "constant":
+        assert seen[-1] == pytest.approx(1e-4)
+
+
+def test_zero_lr_and_errors():
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    cfg = OptimConfig(lr=0.0, lr_decay_style="cosine")
+    opt = build_optimizer([p], cfg)
+    sched = build_lr_scheduler(opt, cfg, 5)
+    opt.step()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == 0.0
+    with pytest.raises(ValueError, match="--optimizer"):
+        build_optimizer([p], OptimConfig(optimizer="sgd"))
+    with pytest.raises(ValueError, match="--lr-decay-style"):
+        build_lr_scheduler(build_optimizer([p], OptimConfig()), OptimConfig(lr_decay_style="step"), 5)
+    with pytest.raises(ValueError, match="--lr-decay-iters"):
+        build_lr_scheduler(build_optimizer([p], OptimConfig()),
+                           OptimConfig(lr_decay_style="linear", lr_warmup_iters=5), 5)
+    frozen = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+    with pytest.raises(ValueError, match="no trainable"):
+        build_optimizer([frozen], OptimConfig())
