@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from furlong.models.attention import expand_kv, packed_attention
+from furlong.models.attention import packed_attention
 from furlong.models.hf_config import ModelArgs
 from furlong.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
@@ -78,9 +78,10 @@ class Attention(nn.Module):
         mask = ctx.mask
         if ctx.kv_cache is not None:
             k, v, mask = ctx.kv_cache.update(self.layer_idx, k, v)
-        groups = self.num_heads // self.num_kv_heads
-        k, v = expand_kv(k, groups, 1), expand_kv(v, groups, 1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        # enable_gqa instead of repeating K/V heads: the repeat copied the whole cache every
+        # decode step (59% of decode GPU time on an H200 for Qwen3-0.6B shapes).
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 

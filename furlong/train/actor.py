@@ -131,7 +131,8 @@ class Actor:
         """`model`: the unsharded policy (any device/dtype; it is sharded in place, fp32 masters).
 
         total_steps: optimizer steps of the run for the LR schedule (default from the flags).
-        max_tokens_per_gpu: the resolved budget when --max-tokens-per-gpu is auto (memory_probe).
+        max_tokens_per_gpu: the budget when --max-tokens-per-gpu is auto (memory_probe), or
+        set `actor.max_tokens_per_gpu` after construction (the probe needs the sharded model).
         """
         if loss not in LOSSES:
             raise ValueError(f"Actor: unknown loss {loss!r} ({', '.join(LOSSES)})")
@@ -152,9 +153,8 @@ class Actor:
             kept = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
             total_steps = max(cfg.rollout.num_rollout, 1) * self.num_optimizer_steps(kept)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, total_steps)
+        # None under --max-tokens-per-gpu auto until the caller sets memory_probe.probe_max_tokens(actor)
         self.max_tokens_per_gpu = max_tokens_per_gpu if max_tokens_per_gpu is not None else cfg.max_tokens_per_gpu
-        if cfg.batch.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
-            raise ValueError("--max-tokens-per-gpu: auto needs the probed budget (memory_probe.probe_max_tokens)")
 
     def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
         shard_model(model, self.ctx, self.param_dtype)
@@ -196,6 +196,9 @@ class Actor:
         plans = []
         for idx in split:
             if self.cfg.batch.use_dynamic_batch_size:
+                if self.max_tokens_per_gpu is None:
+                    raise ValueError("--max-tokens-per-gpu: auto budget not probed yet "
+                                     "(set actor.max_tokens_per_gpu = memory_probe.probe_max_tokens(actor))")
                 local = plan_micro_batches([lengths[i] for i in idx], self.max_tokens_per_gpu)
             else:
                 local = fixed_micro_batches(list(range(len(idx))), self.cfg.batch.micro_batch_size)

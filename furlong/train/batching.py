@@ -9,8 +9,8 @@ Planning (DESIGN.md §5, dynamic batching). `plan_micro_batches` puts samples
   3. repairs the cap: moves (or swaps) items out of over-full bins into bins
      with room, each move strictly lowering the total overflow;
   4. keeps whichever of {KK+repair, FFD} has the smaller largest bin, then
-     evens out the heaviest/lightest pair by moves and swaps (KK alone splits
-     [3,3,2,2,2] as 7/5; the swap makes it 6/6).
+     lowers the heaviest bin by single moves/swaps into lighter ones (KK
+     alone splits [3,3,2,2,2] as 7/5; one swap makes it 6/6).
 Deviation from the brief's "k+1 when repair fails": FFD already fits in k
 bins, so we fall back to it instead of adding a micro-batch (DESIGN asks for
 the fewest micro-batches first, balance second). miles counts bins with
@@ -57,21 +57,32 @@ def _ffd(lengths: list[int], items: list[int], cap: int) -> list[list[int]]:
 
 def _karmarkar_karp(lengths: list[int], items: list[int], k: int) -> list[list[int]]:
     """k-way largest differencing: repeatedly merge the two partial partitions with
-    the largest spread, pairing the heaviest subset of one with the lightest of the other."""
+    the largest spread, pairing the heaviest subset of one with the lightest of the other.
+
+    A partial partition lists only its non-empty subsets, heaviest first; the
+    missing ones are empty (so a single item costs O(1), not O(k))."""
     heap: list[tuple[int, int, list[tuple[int, list[int]]]]] = []
     for seq, i in enumerate(sorted(items, key=lambda i: (-lengths[i], i))):
-        subsets = [(lengths[i], [i])] + [(0, []) for _ in range(k - 1)]
-        heap.append((-lengths[i], seq, subsets))
+        heap.append((-lengths[i] if k > 1 else 0, seq, [(lengths[i], [i])]))
     heapq.heapify(heap)
     seq = len(heap)
     while len(heap) > 1:
         _, _, a = heapq.heappop(heap)
         _, _, b = heapq.heappop(heap)
-        merged = [(a[j][0] + b[k - 1 - j][0], a[j][1] + b[k - 1 - j][1]) for j in range(k)]
+        na, nb = len(a), len(b)
+        # Slot j pairs a[j] with b[k-1-j]; only slots touching a non-empty subset matter.
+        slots = range(k) if na + nb >= k else [*range(na), *range(k - nb, k)]
+        merged = []
+        for j in slots:
+            x = a[j] if j < na else (0, [])
+            y = b[k - 1 - j] if k - 1 - j < nb else (0, [])
+            merged.append((x[0] + y[0], x[1] + y[1]))
         merged.sort(key=lambda s: -s[0])  # stable: deterministic
-        heapq.heappush(heap, (merged[-1][0] - merged[0][0], seq, merged))
+        lightest = merged[-1][0] if len(merged) == k else 0
+        heapq.heappush(heap, (lightest - merged[0][0], seq, merged))
         seq += 1
-    return [sorted(items_) for _, items_ in heap[0][2]] if heap else []
+    parts = [sorted(items_) for _, items_ in heap[0][2]] if heap else []
+    return parts + [[] for _ in range(k - len(parts))]
 
 
 def _repair(lengths: list[int], bins: list[list[int]], cap: int) -> bool:
@@ -120,27 +131,33 @@ def _repair(lengths: list[int], bins: list[list[int]], cap: int) -> bool:
 
 
 def _refine(lengths: list[int], bins: list[list[int]], cap: float) -> None:
-    """Even out the heaviest and lightest bins by one move or swap at a time (in place).
+    """Lower the heaviest bin by one move or swap at a time into a lighter bin (in place).
 
-    Picks the shift d closest to half their gap (0 < d < gap, lightest stays <= cap);
-    each step strictly lowers the sum of squared loads, so it ends.
+    For the heaviest bin h (lowest index on ties) and every lighter bin l, pick
+    the shift d (0 < d < gap, l stays <= cap) giving the smallest new
+    max(h - d, l + d). Stop once h admits none: the largest load can then not
+    drop by single moves (a tie at the top only drops if every tied bin does).
+    Each step strictly lowers the sum of squared loads, so it ends.
     """
     loads = [sum(lengths[i] for i in b) for b in bins]
-    for _ in range(4 * sum(map(len, bins)) + 4):
+    while bins:
         hi = max(range(len(bins)), key=lambda b: (loads[b], -b))
-        lo = min(range(len(bins)), key=lambda b: (loads[b], b))
-        gap = loads[hi] - loads[lo]
-        best = None  # (|gap - 2d|, i, j or None)
-        for i in bins[hi]:
-            for j in [None] + bins[lo]:
-                d = lengths[i] - (0 if j is None else lengths[j])
-                if 0 < d < gap and loads[lo] + d <= cap:
-                    key = (abs(gap - 2 * d), i, -1 if j is None else j)
-                    if best is None or key < best[0]:
-                        best = (key, i, j)
+        top = loads[hi]
+        best = None  # (key, lo, i, j or None)
+        for lo in range(len(bins)):
+            gap, room = top - loads[lo], cap - loads[lo]
+            if gap < 2:
+                continue
+            for i in bins[hi]:
+                for j in [None] + bins[lo]:
+                    d = lengths[i] - (0 if j is None else lengths[j])
+                    if 0 < d < gap and d <= room:
+                        key = (max(top - d, loads[lo] + d), lo, i, -1 if j is None else j)
+                        if best is None or key < best[0]:
+                            best = (key, lo, i, j)
         if best is None:
             return
-        _, i, j = best
+        _, lo, i, j = best
         bins[hi].remove(i)
         bins[lo].append(i)
         if j is not None:

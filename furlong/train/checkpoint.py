@@ -4,7 +4,8 @@ Layout under `--save DIR`:
     DIR/iter_0000005/                       after rollout_id 4 (iteration = rollout_id + 1)
         *.distcp, .metadata                 sharded model + optimizer (torch.distributed.checkpoint)
         trainer_rank{r}.pt                  per-rank: RNG states (torch, cuda, python, numpy)
-        trainer.pt                          rank 0: scheduler, data-sampler state, rollout_id
+        trainer.pt                          rank 0: scheduler, data-sampler state, rollout_id,
+                                            the --hf-checkpoint trained from (for export)
     DIR/latest_checkpointed_iteration.txt   "5", written last
 
 Crash safety: every rank writes into `iter_0000005.tmp/`; after a barrier rank 0
@@ -112,8 +113,9 @@ def save_checkpoint(save_dir: str | os.PathLike, actor: Any, rollout_id: int,
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     torch.save(_rng_state(), tmp / f"trainer_rank{rank}.pt")
     if rank == 0:
+        hf = getattr(getattr(getattr(actor, "cfg", None), "data", None), "hf_checkpoint", None)
         torch.save({"scheduler": actor.scheduler.state_dict(), "sampler": sampler_state or {},
-                    "rollout_id": rollout_id}, tmp / "trainer.pt")
+                    "rollout_id": rollout_id, "hf_checkpoint": hf}, tmp / "trainer.pt")
     sleep_s = float(os.environ.get(SLEEP_ENV, "0"))
     if sleep_s > 0:
         time.sleep(sleep_s)
@@ -145,6 +147,15 @@ def load_checkpoint(load_dir: str | os.PathLike, actor: Any) -> ResumeState | No
     if rank_file.exists():  # absent when resuming at a larger world size: keep fresh RNG
         _set_rng_state(torch.load(rank_file, weights_only=False))
     return ResumeState(rollout_id=int(meta["rollout_id"]), sampler_state=meta["sampler"], path=str(path))
+
+
+def checkpoint_hf_source(load_dir: str | os.PathLike) -> str | None:
+    """The --hf-checkpoint the latest checkpoint was trained from (None if unknown)."""
+    iteration = latest_iteration(load_dir)
+    if iteration is None:
+        raise ValueError(f"--load: no {TRACKER} in {load_dir}")
+    meta = torch.load(Path(load_dir) / f"iter_{iteration:07d}" / "trainer.pt", weights_only=False)
+    return meta.get("hf_checkpoint")
 
 
 def load_model_weights(load_dir: str | os.PathLike, model: torch.nn.Module) -> int:

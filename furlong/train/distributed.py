@@ -125,6 +125,9 @@ def _worker(local_rank: int, num_procs: int, port: int, fn: Callable[..., Any], 
         "RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(num_procs),
         "LOCAL_WORLD_SIZE": str(num_procs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
     })
+    if "OMP_NUM_THREADS" not in os.environ:
+        # N workers share this host's cores (torchrun does the same by default)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_procs))
     try:
         fn(*args)
     except BaseException as e:  # report every failure, including SystemExit from validation
