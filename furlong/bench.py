@@ -26,12 +26,15 @@ The "whole step" is rollout + train_step + weight sync (+ the log-prob forward
 only when the step cannot reuse the training forward's log-probs).
 Timings synchronize the device before reading clocks. Peak memory is
 torch.cuda.max_memory_allocated, reset before each measurement (None on CPU).
+Time: each part has a SIGALRM guard (PART_GUARD_S on CUDA), and no part starts
+once FURLONG_BENCH_TIME_S (default 480) is spent; skipped and timed-out parts
+are reported as such. The file is long for one concept (the whole bench) but
+every part is a short function; split per part if it grows.
 """
 from __future__ import annotations
 
 import dataclasses
 import gc
-import inspect
 import json
 import os
 import signal
@@ -39,7 +42,7 @@ import threading
 import time
 import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -180,6 +183,7 @@ class TrainResult:
     mbs1_num_micro_batches: int | None
     dynamic_over_mbs1_speedup: float | None
     weight_sync_s: float | None
+    weight_sync_gib: float | None    # bytes written into the engine
     weight_sync_note: str
 
 
@@ -446,12 +450,12 @@ def part_train(b: Bench) -> TrainResult:
     finally:
         actor.cfg = dyn_cfg
 
-    sync_s, note = None, "ok"
+    sync_s, sync_bytes, note = None, None, "ok"
     try:
         from furlong.train.weight_sync import sync_weights
         bucket = b.w.update_weight_buffer_size
         sync_weights(actor.model, b.engine(), bucket)                           # warm-up
-        _, sync_s = timed(lambda: sync_weights(actor.model, b.engine(), bucket), dev)
+        sync_bytes, sync_s = timed(lambda: sync_weights(actor.model, b.engine(), bucket), dev)
     except PartTimeout:
         raise
     except Exception as e:
@@ -467,43 +471,38 @@ def part_train(b: Bench) -> TrainResult:
         mbs1_train_step_s=mbs1_s, mbs1_tok_per_s=None if mbs1_s is None else _rate(num_tokens, mbs1_s),
         mbs1_num_micro_batches=mbs1_mb,
         dynamic_over_mbs1_speedup=None if mbs1_s is None else mbs1_s / train_s,
-        weight_sync_s=sync_s, weight_sync_note=note)
+        weight_sync_s=sync_s, weight_sync_gib=None if sync_bytes is None else sync_bytes / 2**30,
+        weight_sync_note=note)
 
 
 def _guarded_measure(fn: Callable[[], Any], dev: torch.device, actor: Any
                      ) -> tuple[str, float | None, float | None]:
-    """(status, seconds, peak GiB) of fn(); OOM is a result, not a failure."""
+    """(status, seconds, peak GiB) of fn(); OOM (or another error) is a row's result, not the part's."""
     _free_memory(dev)
     _reset_peak(dev)
     try:
         _, s = timed(fn, dev)
         return "ok", s, _peak_gib(dev)
-    except OOM_ERRORS:
+    except PartTimeout:
+        raise
+    except Exception as e:
+        # cuBLAS/cuDNN report a failed allocation as a RuntimeError, not OutOfMemoryError
+        oom = isinstance(e, OOM_ERRORS) or any(m in str(e) for m in ("out of memory", "ALLOC_FAILED"))
+        status = "oom" if oom else f"error: {type(e).__name__}: {e}".splitlines()[0][:300]
         peak = _peak_gib(dev)
         actor.optimizer.zero_grad(set_to_none=True)
         _free_memory(dev)
-        return "oom", None, peak
+        return status, None, peak
 
 
-def _auto_budget(b: Bench, samples: list[TrainSample]) -> tuple[int | None, str]:
-    """Ask memory_probe for the auto budget, passing what its signature names."""
+def _auto_budget(b: Bench) -> tuple[int | None, str]:
+    """memory_probe's budget, with the engine's weights reserved as in a colocated run."""
     try:
-        from furlong.train import memory_probe
-        fn = getattr(memory_probe, "probe_max_tokens")
-    except (ImportError, AttributeError) as e:
+        from furlong.train.memory_probe import probe_max_tokens
+    except ImportError as e:
         return None, f"memory_probe unavailable: {e!r}"
-    actor = b.actor()
-    known = {"actor": actor, "model": actor.model, "cfg": actor.cfg, "config": actor.cfg, "ctx": b.ctx,
-             "device": b.device, "samples": samples, "lengths": [s.num_tokens for s in samples]}
-    kwargs = {}
-    for name, p in inspect.signature(fn).parameters.items():
-        if name in known:
-            kwargs[name] = known[name]
-        elif p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            return None, f"memory_probe.probe_max_tokens needs {name!r}, which the bench does not know"
-    got = fn(**kwargs)
-    value = getattr(got, "max_tokens", got)
-    return (int(value), "ok") if isinstance(value, int) else (None, f"unexpected result {got!r}")
+    reserved = sum(p.numel() * p.element_size() for p in b.engine().parameters())
+    return probe_max_tokens(b.actor(), reserved_bytes=reserved), f"engine weights reserved: {reserved / 2**30:.2f} GiB"
 
 
 def part_budget(b: Bench) -> BudgetResult:
@@ -511,6 +510,13 @@ def part_budget(b: Bench) -> BudgetResult:
     actor, dev, samples = b.actor(), b.device, b.train_samples()
     lengths = [s.num_tokens for s in samples]
     num_tokens, rows = sum(lengths), []
+    try:   # first, while no OOM has disturbed the allocator
+        auto, note = _auto_budget(b)
+    except PartTimeout:
+        raise
+    except Exception as e:
+        auto, note = None, f"memory_probe failed: {e!r}"
+    print(f"[bench] budget auto: {auto} ({note})", flush=True)
     saved = actor.max_tokens_per_gpu
     try:
         for budget in b.w.budgets:
@@ -525,12 +531,6 @@ def part_budget(b: Bench) -> BudgetResult:
             print(f"[bench] budget {budget}: train {t_status} {t_s}, log-probs {l_status} {l_s}", flush=True)
     finally:
         actor.max_tokens_per_gpu = saved
-    try:
-        auto, note = _auto_budget(b, samples)
-    except PartTimeout:
-        raise
-    except Exception as e:
-        auto, note = None, f"memory_probe failed: {e!r}"
     return BudgetResult(rows=rows, auto_max_tokens=auto, auto_note=note)
 
 
@@ -556,7 +556,7 @@ def _hf_fwd_bwd(hf: Any, samples: list[TrainSample], idx: list[int], dev: torch.
     labels = torch.cat([ids[:, 1:], torch.zeros(len(idx), 1, dtype=torch.long)], 1)
     labels[torch.cat([mask[:, 1:], torch.zeros(len(idx), 1, dtype=torch.long)], 1) == 0] = -100
     ids, mask, labels = ids.to(dev), mask.to(dev), labels.to(dev)
-    logits = hf(input_ids=ids, attention_mask=mask).logits
+    logits = hf(input_ids=ids, attention_mask=mask, use_cache=False).logits   # no KV cache in training
     loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
     loss.backward()
 
@@ -634,11 +634,13 @@ def part_decode(b: Bench) -> DecodeResult:
     ids = prompts.to(dev)
     top_k = 0 if w.top_k == -1 else w.top_k   # 0: no top-k filter
 
-    def hf_gen(num_new: int) -> None:
+    def hf_gen(num_new: int, max_time: float | None = None) -> int:
+        """New tokens per row that HF produced (fewer than num_new only if max_time cut it)."""
         with torch.inference_mode():
-            hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                        max_new_tokens=num_new, min_new_tokens=num_new, temperature=w.temperature,
-                        top_p=w.top_p, top_k=top_k, pad_token_id=0)
+            out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                              max_new_tokens=num_new, min_new_tokens=num_new, temperature=w.temperature,
+                              top_p=w.top_p, top_k=top_k, pad_token_id=0, max_time=max_time)
+        return out.shape[1] - ids.shape[1]
 
     try:
         probe = min(16, n)
@@ -651,8 +653,12 @@ def part_decode(b: Bench) -> DecodeResult:
             note = (f"HF generate of {n} tokens estimated at {estimate:.0f}s > {w.hf_max_seconds:.0f}s: "
                     f"HF ran {hf_n} tokens; ratio compares the engine at {hf_n} tokens too")
         _reset_peak(dev)
-        _, hf_s = timed(lambda: hf_gen(hf_n), dev)
+        # max_time: a hard stop in case the estimate was optimistic; tok/s uses what was produced
+        planned = hf_n
+        hf_n, hf_s = timed(lambda: hf_gen(planned, max_time=1.5 * w.hf_max_seconds), dev)
         hf_peak = _peak_gib(dev)
+        if hf_n < planned:
+            note += f"; HF stopped by max_time after {hf_n} of {planned} tokens"
     finally:
         del hf
         _free_memory(dev)
@@ -757,7 +763,7 @@ def run_bench(workload_path: str, output_path: str | None = None, parts: str = "
             left = total_s - (time.perf_counter() - t_start)
             guard = min(PART_GUARD_S[name], left - 5) if b.device.type == "cuda" else left - 5
             if guard < 15:
-                rep.error = f"skipped: {left:.0f}s of the {total_s:.0f}s bench budget left"
+                rep.error = f"only {left:.0f}s left of the {total_s:.0f}s bench budget"
             else:
                 print(f"[bench] part {name} (guard {guard:.0f}s)", flush=True)
                 t = time.perf_counter()

@@ -104,7 +104,8 @@ def _build_parser() -> _Parser:
     e = sub.add_parser("export", help="checkpoint -> HF checkpoint")
     e.add_argument("--load", required=True)
     e.add_argument("--output", required=True)
-    e.add_argument("--hf-checkpoint", required=True, help="the original checkpoint (config and tokenizer)")
+    e.add_argument("--hf-checkpoint", default=None,
+                   help="the original checkpoint (config and tokenizer); default: the one the checkpoint records")
     return p
 
 
@@ -157,11 +158,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(f"{e}", file=sys.stderr)
         return EXIT_USAGE
-    except (ValueError, FileNotFoundError) as e:
-        # Input errors: one line, no traceback. Programming errors (other types) keep their traceback.
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"furlong: error: {msg}", file=sys.stderr)
-        return EXIT_USAGE
+    except Exception as e:
+        # User errors (bad input, a run that cannot succeed): one line, no traceback.
+        # Anything else is a bug and keeps its traceback.
+        from furlong.entry import error_line, exit_code_for
+        code = exit_code_for(e)
+        if code is None:
+            raise
+        print(error_line(e), file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Single-process tests run in this pytest process on a one-rank gloo group
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from furlong.config import Config  # noqa: E402
 from furlong.models.hf_io import load_pretrained  # noqa: E402
 from furlong.train.actor import Actor  # noqa: E402
 from furlong.train.distributed import WorkerError, all_reduce_max, all_reduce_sum, init_distributed, launch_local  # noqa: E402
+from furlong.train.memory_probe import CPU_DEFAULT_TOKENS, ProbeMeasurement, choose_max_tokens, probe_max_tokens  # noqa: E402
+from furlong.train.weight_sync import _buckets, sync_weights  # noqa: E402
 from furlong.types import TrainSample  # noqa: E402
 
 VOCAB = 128
@@ -183,3 +186,82 @@ def _failing_worker(bad_rank: int) -> None:
 def test_launch_local_reports_worker_error():
     with pytest.raises(WorkerError, match=r"^rank 1: ValueError: --lr: worker says no$"):
         launch_local(_failing_worker, 2, 1)
+
+
+# ---------------------------------------------------------------- weight sync
+
+def _sync_worker(ckpt: str, out: str) -> None:
+    ctx = init_distributed("cpu")
+    actor = Actor(load_pretrained(ckpt), tiny_config(lr=1e-2), ctx)
+    actor.train_step(synthetic_samples([9, 14, 6]))   # trainer weights now differ from the checkpoint
+    engines = {torch.float32: load_pretrained(ckpt), torch.bfloat16: load_pretrained(ckpt, dtype=torch.bfloat16)}
+    written = {dt: sync_weights(actor.model, eng, bucket_bytes=4096) for dt, eng in engines.items()}
+    gathered = full_weights(actor)
+    if ctx.rank == 0:
+        torch.save({"gathered": gathered, "written": written,
+                    "engines": {dt: dict(e.named_parameters()) for dt, e in engines.items()}}, out)
+
+
+def test_sync_weights_two_ranks(tiny_ckpt, tmp_path):
+    out = tmp_path / "sync.pt"
+    launch_local(_sync_worker, 2, str(tiny_ckpt), str(out))
+    r = torch.load(out, weights_only=False)
+    initial = dict(load_pretrained(tiny_ckpt).named_parameters())
+    assert any(not torch.equal(initial[n], w) for n, w in r["gathered"].items())
+    for dt, params in r["engines"].items():
+        assert set(params) == set(r["gathered"])
+        for n, w in r["gathered"].items():
+            assert params[n].dtype == dt
+            assert torch.equal(params[n], w.to(dt)), n
+        assert r["written"][dt] == sum(w.numel() * dt.itemsize for w in r["gathered"].values())
+
+
+def test_weight_sync_buckets_and_mismatch(tiny_ckpt):
+    params = [(f"p{i}", torch.zeros(n)) for i, n in enumerate([100, 300, 2000, 50, 50])]
+    buckets = _buckets(params, torch.float32, bucket_bytes=1600)
+    assert [[n for n, _ in b] for b in buckets] == [["p0", "p1"], ["p2"], ["p3", "p4"]]
+    actor = Actor(load_pretrained(tiny_ckpt), tiny_config(), init_distributed("cpu"))
+    other = load_pretrained(write_tiny_checkpoint(Path(tiny_ckpt).parent / "tied", vocab_size=VOCAB, hidden=32,
+                                                  tie=True, with_tokenizer=False))
+    with pytest.raises(ValueError, match="weight sync"):
+        sync_weights(actor.model, other, bucket_bytes=1 << 20)
+
+
+# ---------------------------------------------------------------- memory probe
+
+def test_choose_max_tokens():
+    gib = 2**30
+    # 10 GiB static, 1 MiB per token (affine), 100 GiB device, 15% margin, 5 GiB engine weights
+    m = ProbeMeasurement(4096, 10 * gib + 4096 * 2**20, 8192, 10 * gib + 8192 * 2**20, pending_bytes=2 * gib)
+    got = choose_max_tokens(m, total_bytes=100 * gib, reserved_bytes=5 * gib)
+    # budget 85 - 5 - 10 - 2 = 68 GiB -> 68 * 1024 tokens
+    assert got == 68 * 1024
+    assert choose_max_tokens(m, total_bytes=100 * gib, reserved_bytes=5 * gib, safety_fraction=0.5) == 33 * 1024
+    # nothing fits: the floor is one granule
+    assert choose_max_tokens(m, total_bytes=12 * gib) == 1024
+    with pytest.raises(ValueError):
+        choose_max_tokens(ProbeMeasurement(4096, 1, 4096, 2, 0), total_bytes=gib)
+
+
+def test_probe_on_cpu_returns_default(tiny_ckpt, caplog):
+    actor = Actor(load_pretrained(tiny_ckpt), tiny_config(use_dynamic_batch_size=True, max_tokens_per_gpu="auto"),
+                  init_distributed("cpu"))
+    with pytest.raises(ValueError, match="--max-tokens-per-gpu"):
+        actor.train_step(synthetic_samples([8, 9]))
+    with caplog.at_level("INFO"):
+        actor.max_tokens_per_gpu = probe_max_tokens(actor)
+    assert actor.max_tokens_per_gpu == CPU_DEFAULT_TOKENS and "default budget" in caplog.text
+    assert actor.train_step(synthetic_samples([8, 9])).num_micro_batches == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_probe_on_gpu_fits(tiny_ckpt):
+    """The probed budget is a multiple of 1024 and a micro-batch of that size trains."""
+    actor = Actor(load_pretrained(tiny_ckpt), tiny_config(use_dynamic_batch_size=True, max_tokens_per_gpu="auto"),
+                  init_distributed("cuda"))
+    actor.max_tokens_per_gpu = probe_max_tokens(actor)
+    assert actor.max_tokens_per_gpu % 1024 == 0 and actor.max_tokens_per_gpu >= 1024
+    n = min(actor.max_tokens_per_gpu, 65536)
+    m = actor.train_step(synthetic_samples([n // 2, n // 2]))
+    assert m.num_micro_batches == 1 and math.isfinite(m.grad_norm)

@@ -36,7 +36,7 @@ def make_actor(ckpt) -> Actor:
     # two optimizer steps per rollout and a decaying LR: Adam moments and the
     # scheduler position both matter for an exact resume
     cfg = tiny_config(global_batch_size=2, lr=1e-2, lr_decay_style="cosine", lr_warmup_iters=1,
-                      micro_batch_size=2)
+                      micro_batch_size=2, hf_checkpoint=str(ckpt))
     return Actor(load_pretrained(ckpt), cfg, init_distributed("cpu"))
 
 
@@ -81,14 +81,15 @@ def test_load_without_checkpoint_returns_none(tiny_ckpt, tmp_path):
 
 
 CRASH_SCRIPT = textwrap.dedent("""
-    import os, sys, torch
+    import os, sys
     sys.path.insert(0, {tests!r})
-    from test_checkpoint import make_actor, rollout_samples
-    from test_actor import full_weights
-    from furlong.train.checkpoint import save_checkpoint, SLEEP_ENV
     from furlong.train.distributed import launch_local
 
     def work(ckpt, save_dir):
+        import torch
+        from test_checkpoint import make_actor, rollout_samples
+        from test_actor import full_weights
+        from furlong.train.checkpoint import save_checkpoint, SLEEP_ENV
         a = make_actor(ckpt)
         a.train_step(rollout_samples(0))
         save_checkpoint(save_dir, a, rollout_id=0, sampler_state={{"epoch": 1}})

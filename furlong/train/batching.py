@@ -11,9 +11,8 @@ Planning (DESIGN.md §5, dynamic batching). `plan_micro_batches` puts samples
   4. keeps whichever of {KK+repair, FFD} has the smaller largest bin, then
      lowers the heaviest bin by single moves/swaps into lighter ones (KK
      alone splits [3,3,2,2,2] as 7/5; one swap makes it 6/6).
-Deviation from the brief's "k+1 when repair fails": FFD already fits in k
-bins, so we fall back to it instead of adding a micro-batch (DESIGN asks for
-the fewest micro-batches first, balance second). miles counts bins with
+When repair fails we fall back to FFD (which fits in k bins) rather than
+trying k+1 bins: DESIGN asks for the fewest micro-batches first, balance second. miles counts bins with
 first-fit and balances without re-checking the cap; furlong enforces it.
 Everything is deterministic (ties break on sample index).
 

@@ -75,6 +75,8 @@ def init_distributed(device_pref: str = "auto") -> DistContext:
         if device_type == "cuda":
             kwargs["device_id"] = device  # eager NCCL init bound to this rank's GPU
         dist.init_process_group(**kwargs)
+    else:  # joined earlier in this process: report the group's actual shape
+        rank, world_size, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
     return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
 
 
