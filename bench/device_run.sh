@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/out}"
 mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-# bench.py stops starting parts after FURLONG_BENCH_TIME_S; keep it under the 600 s device call.
+# furlong bench stops starting parts after FURLONG_BENCH_TIME_S; keep it under the 600 s device call.
 export FURLONG_BENCH_TIME_S="${FURLONG_BENCH_TIME_S:-480}"
 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1 || true
 # Hard stop before the device call's own limit, so $OUT (partial JSON, log) always comes back.

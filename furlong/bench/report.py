@@ -1,0 +1,165 @@
+"""Bench results: one dataclass per part, the step summary, the JSON file and the table.
+
+The "whole step" is rollout + train_step + weight sync (+ the log-prob forward
+only when the step cannot reuse the training forward's log-probs); it is None
+unless every term was measured. The JSON is written atomically (tmp + rename)
+so a run killed mid-write still leaves the previous complete file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class TrainResult:
+    world_size: int
+    num_samples: int
+    num_tokens: int                  # prompt + response tokens of the step
+    reuses_old_log_probs: bool       # True: the real loop skips the separate log-prob forward
+    log_probs_s: float
+    log_probs_tok_per_s: float
+    log_probs_peak_gib: float | None
+    train_step_s: float              # fwd+bwd of all micro-batches + clip + optimizer step
+    train_tok_per_s: float
+    train_mfu: float | None          # 6 * params * tokens/s over the bf16 peak (CUDA only)
+    train_peak_gib: float | None
+    num_micro_batches: int           # per rank
+    micro_batch_max_tokens: int      # of this rank's plan (rank 0)
+    micro_batch_mean_tokens: float
+    micro_batch_imbalance: float     # max / mean tokens per micro-batch
+    rank_tokens_max_over_mean: float
+    mbs1_train_step_s: float | None  # --micro-batch-size 1, no dynamic batching
+    mbs1_tok_per_s: float | None
+    mbs1_num_micro_batches: int | None
+    dynamic_over_mbs1_speedup: float | None
+    weight_sync_s: float | None
+    weight_sync_gib: float | None    # bytes written into the engine
+    weight_sync_note: str
+
+
+@dataclass
+class BudgetRow:
+    max_tokens_per_gpu: int
+    num_micro_batches: int
+    train_status: str                # ok | oom | error: ...
+    train_s: float | None
+    train_tok_per_s: float | None
+    train_peak_gib: float | None
+    log_probs_status: str
+    log_probs_s: float | None
+    log_probs_tok_per_s: float | None
+    log_probs_peak_gib: float | None
+
+
+@dataclass
+class BudgetResult:
+    rows: list[BudgetRow]
+    auto_max_tokens: int | None      # memory_probe's choice for --max-tokens-per-gpu auto
+    auto_note: str
+
+
+@dataclass
+class HfTrainResult:
+    max_tokens_per_micro_batch: int  # padded tokens (rows x longest row) per micro-batch
+    num_micro_batches: int
+    num_real_tokens: int
+    num_padded_tokens: int
+    seconds: float
+    tok_per_s: float                 # real tokens
+    peak_gib: float | None
+    furlong_over_hf: float | None    # furlong train tok/s / HF tok/s (needs the train part)
+
+
+@dataclass
+class RolloutResult:
+    num_samples: int
+    max_new_tokens: int              # decode steps of the batch
+    num_forced_tokens: int           # sum of forced response lengths (the useful tokens)
+    seconds: float
+    tok_per_s: float                 # forced tokens / s
+    decoded_slots_per_s: float       # num_samples * max_new_tokens / s
+    peak_gib: float | None
+    note: str
+
+
+@dataclass
+class DecodeResult:
+    batch: int
+    prompt_len: int
+    new_tokens: int
+    furlong_s: float
+    furlong_tok_per_s: float
+    furlong_peak_gib: float | None
+    hf_new_tokens: int               # < new_tokens when capped by hf_max_seconds
+    hf_s: float
+    hf_tok_per_s: float
+    hf_peak_gib: float | None
+    furlong_at_hf_tokens_tok_per_s: float   # the engine at hf_new_tokens (same as furlong_tok_per_s if equal)
+    furlong_over_hf: float
+    note: str
+
+
+@dataclass
+class PartReport:
+    name: str
+    status: str = "skipped"          # ok | error | timeout | skipped
+    seconds: float = 0.0
+    error: str = ""
+    result: Any = None               # one of the *Result dataclasses
+
+
+@dataclass
+class StepSummary:
+    rollout_s: float | None
+    log_probs_s: float | None        # 0 when the step reuses the training forward's log-probs
+    train_step_s: float | None
+    weight_sync_s: float | None
+    whole_step_s: float | None       # None unless every term was measured
+
+
+def step_summary(reports: dict[str, PartReport]) -> StepSummary:
+    ok = lambda name: reports[name].result if name in reports and reports[name].status == "ok" else None  # noqa: E731
+    ro, tr = ok("rollout"), ok("train")
+    rollout_s = ro.seconds if ro else None
+    logp = None if tr is None else (0.0 if tr.reuses_old_log_probs else tr.log_probs_s)
+    terms = [rollout_s, logp, tr.train_step_s if tr else None, tr.weight_sync_s if tr else None]
+    return StepSummary(rollout_s, logp, terms[2], terms[3], None if None in terms else sum(terms))
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:,.3f}" if abs(v) < 100 else f"{v:,.0f}"
+    return str(v)
+
+
+def format_table(reports: dict[str, PartReport], summary: StepSummary) -> str:
+    rows = []
+    for name, rep in reports.items():
+        rows.append((name, "status", f"{rep.status} ({rep.seconds:.1f}s)" + (f": {rep.error}" if rep.error else "")))
+        res = rep.result
+        if isinstance(res, BudgetResult):
+            for r in res.rows:
+                rows.append((name, f"max_tokens={r.max_tokens_per_gpu}",
+                             f"mb={r.num_micro_batches} train {r.train_status} {_fmt(r.train_tok_per_s)} tok/s "
+                             f"peak {_fmt(r.train_peak_gib)} GiB | logp {r.log_probs_status} "
+                             f"{_fmt(r.log_probs_tok_per_s)} tok/s peak {_fmt(r.log_probs_peak_gib)} GiB"))
+            rows.append((name, "auto_max_tokens", f"{res.auto_max_tokens} ({res.auto_note})"))
+        elif res is not None:
+            rows.extend((name, k, _fmt(v)) for k, v in dataclasses.asdict(res).items())
+    rows.extend(("step", k, _fmt(v)) for k, v in dataclasses.asdict(summary).items())
+    w0, w1 = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
+    return "\n".join(f"{a:<{w0}}  {b_:<{w1}}  {c}" for a, b_, c in rows)
+
+
+def write_json(path: Path | None, payload: dict[str, Any]) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    os.replace(tmp, path)

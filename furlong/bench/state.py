@@ -1,0 +1,115 @@
+"""Shared state of one bench run: device, seeded random models, the Config, samples.
+
+Weights are random (seeded, std 0.02 from the model's init) and token ids are
+random: the bench measures speed only. The actor and the rollout engine start
+from the same seeded weights; `build_hf_model` copies the engine's weights into
+the matching transformers model (sdpa) for the HF baselines.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from furlong.bench.measure import free_memory
+from furlong.bench.report import PartReport
+from furlong.bench.workload import Workload
+from furlong.config import Config
+from furlong.models.decoder import Transformer
+from furlong.models.hf_config import ModelArgs
+from furlong.types import TrainSample
+
+
+class NullTokenizer:
+    """The engine decodes response text at the end; random ids have no text, so decode to ""."""
+    pad_token_id = 0
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return ""
+
+
+class Bench:
+    """Shared state of one bench run: device, seeded models (built lazily), results."""
+
+    def __init__(self, workload: Workload, seed: int = 0):
+        from furlong.train.distributed import init_distributed
+        self.w, self.seed = workload, seed
+        self.owns_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+        self.ctx = init_distributed("auto")
+        self.device = self.ctx.device
+        self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.args = ModelArgs.from_hf_config(workload.model, source="workload model")
+        self._engine: Transformer | None = None
+        self._actor: Any = None
+        self.reports: dict[str, PartReport] = {}
+
+    def random_model(self) -> Transformer:
+        """fp32 Transformer with the run's seeded init, built directly on the device."""
+        torch.manual_seed(self.seed)
+        with torch.device(self.device):
+            return Transformer(self.args)
+
+    def engine(self) -> Transformer:
+        """The rollout engine's copy: same initial weights as the actor, in the compute dtype."""
+        if self._engine is None:
+            self._engine = self.random_model().to(self.dtype).eval()
+        return self._engine
+
+    def config(self, **batch_overrides: Any) -> Config:
+        w, cfg = self.w, Config()
+        cfg.rollout.rollout_batch_size = len(w.prompt_lens)
+        cfg.rollout.n_samples_per_prompt = w.n_samples_per_prompt
+        cfg.rollout.rollout_temperature, cfg.rollout.rollout_top_p = w.temperature, w.top_p
+        cfg.rollout.rollout_top_k = w.top_k
+        cfg.rollout.rollout_max_response_len = max(w.response_lens)
+        cfg.algo.eps_clip, cfg.algo.eps_clip_high = w.eps_clip, w.eps_clip_high
+        o = cfg.optim
+        o.optimizer, o.lr, o.weight_decay, o.adam_beta1, o.adam_beta2 = (w.optimizer, w.lr, w.weight_decay,
+                                                                          w.adam_beta1, w.adam_beta2)
+        b = cfg.batch
+        b.global_batch_size, b.use_dynamic_batch_size = w.global_batch_size, w.use_dynamic_batch_size
+        b.max_tokens_per_gpu, b.update_weight_buffer_size = str(w.max_tokens_per_gpu), w.update_weight_buffer_size
+        cfg.batch = dataclasses.replace(b, **batch_overrides)
+        return cfg
+
+    def actor(self):
+        if self._actor is None:
+            from furlong.train.actor import Actor
+            self._actor = Actor(self.random_model(), self.config(), self.ctx)
+        return self._actor
+
+    def release_actor(self) -> None:
+        self._actor = None
+        free_memory(self.device)
+
+    def train_samples(self) -> list[TrainSample]:
+        """Random prompt/response ids with the forced lengths; one GRPO-like advantage per sample."""
+        w, n = self.w, self.w.n_samples_per_prompt
+        g = torch.Generator().manual_seed(self.seed + 1)
+        prompts = [torch.randint(0, self.args.vocab_size, (p,), generator=g) for p in w.prompt_lens]
+        out = []
+        for i, r in enumerate(w.response_lens):
+            resp = torch.randint(0, self.args.vocab_size, (r,), generator=g)
+            out.append(TrainSample(token_ids=torch.cat([prompts[i // n], resp]), num_prompt_tokens=len(prompts[i // n]),
+                                   advantages=torch.full((r,), float(torch.randn((), generator=g))),
+                                   rollout_log_probs=-torch.rand(r, generator=g) * 5))
+        return out
+
+
+def build_hf_model(engine: Transformer, model_cfg: dict[str, Any], dtype: torch.dtype, device: torch.device):
+    """transformers' model for this config (sdpa) holding a copy of `engine`'s weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from furlong.models.hf_io import hf_state_dict
+    kw = {k: v for k, v in model_cfg.items() if k not in ("architectures", "torch_dtype", "dtype", "model_type")}
+    hf_cfg = AutoConfig.for_model(model_cfg["model_type"], **kw)
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa", dtype=dtype)
+    missing, unexpected = hf.load_state_dict(hf_state_dict(engine.state_dict()), strict=False)
+    allowed = {"lm_head.weight"} if model_cfg.get("tie_word_embeddings") else set()
+    if set(missing) - allowed or unexpected:
+        raise ValueError(f"bench: HF model does not match ours (missing {missing}, unexpected {unexpected})")
+    hf.tie_weights()
+    hf.generation_config.eos_token_id = None   # exactly max_new_tokens tokens per row
+    hf.generation_config.pad_token_id = 0
+    return hf

@@ -1,0 +1,195 @@
+"""Bench parts that train: `train`, `budget` and the HF fwd+bwd baseline `hf`.
+
+  train    compute_log_probs and Actor.train_step on all samples (one warm-up
+           each), micro-batches per rank and their balance, the same step with
+           --micro-batch-size 1 and no dynamic batching, weight sync, peak memory
+  budget   train_step and the log-prob forward at several --max-tokens-per-gpu
+           values (OOM is caught and reported), and `auto`'s choice if available
+  hf       plain transformers fwd+bwd on the same samples: bf16, sdpa, padded
+           batches filled up to the same token budget (padded tokens count
+           against it), CE over all real tokens; tokens/s counts real tokens
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from furlong.bench.measure import OOM_ERRORS, PartTimeout, free_memory, peak_gib, rate, reset_peak, timed
+from furlong.bench.report import BudgetResult, BudgetRow, HfTrainResult, TrainResult
+from furlong.bench.state import Bench, build_hf_model
+from furlong.types import TrainSample
+
+HF_PEAK_FLOPS = 989e12   # dense bf16 per H100/H200 (datasheet), for MFU only
+
+
+def part_train(b: Bench) -> TrainResult:
+    from furlong.train.batching import balance_stats, plan_micro_batches, split_across_ranks
+    actor, dev, samples = b.actor(), b.device, b.train_samples()
+    lengths = [s.num_tokens for s in samples]
+    num_tokens = sum(lengths)
+    actor.compute_log_probs(samples, "old")                                     # warm-up
+    reset_peak(dev)
+    _, logp_s = timed(lambda: actor.compute_log_probs(samples, "old"), dev)
+    logp_peak = peak_gib(dev)
+    actor.train_step(samples)                                                   # warm-up
+    reset_peak(dev)
+    tm, train_s = timed(lambda: actor.train_step(samples), dev)
+    train_peak = peak_gib(dev)
+    mine = split_across_ranks(lengths, b.ctx.world_size)[b.ctx.rank]
+    stats = balance_stats([lengths[i] for i in mine], plan_micro_batches([lengths[i] for i in mine],
+                                                                         actor.max_tokens_per_gpu))
+    num_params = sum(p.numel() for p in b.engine().parameters())
+    mfu = (6 * num_params * rate(num_tokens, train_s) / (HF_PEAK_FLOPS * b.ctx.world_size)
+           if dev.type == "cuda" else None)
+    print(f"[bench] train: log-probs {logp_s:.2f}s, train_step {train_s:.2f}s, "
+          f"{tm.num_micro_batches} micro-batches", flush=True)
+
+    mbs1_s = mbs1_mb = None
+    dyn_cfg = actor.cfg
+    try:
+        # Actor reads its batch flags from self.cfg at every step: swap them for the comparison.
+        actor.cfg = b.config(use_dynamic_batch_size=False, micro_batch_size=1)
+        tm1, mbs1_s = timed(lambda: actor.train_step(samples), dev)
+        mbs1_mb = tm1.num_micro_batches
+    except PartTimeout:
+        raise
+    except Exception as e:   # the comparison is optional; report why it is missing
+        print(f"[bench] train: micro-batch-size 1 comparison failed: {e!r}", flush=True)
+    finally:
+        actor.cfg = dyn_cfg
+
+    sync_s, sync_bytes, note = None, None, "ok"
+    try:
+        from furlong.train.weight_sync import sync_weights
+        bucket = b.w.update_weight_buffer_size
+        sync_weights(actor.model, b.engine(), bucket)                           # warm-up
+        sync_bytes, sync_s = timed(lambda: sync_weights(actor.model, b.engine(), bucket), dev)
+    except PartTimeout:
+        raise
+    except Exception as e:
+        note = f"weight sync unavailable: {e!r}"
+    return TrainResult(
+        world_size=b.ctx.world_size, num_samples=len(samples), num_tokens=num_tokens,
+        reuses_old_log_probs=actor.reuses_old_log_probs(len(samples)),
+        log_probs_s=logp_s, log_probs_tok_per_s=rate(num_tokens, logp_s), log_probs_peak_gib=logp_peak,
+        train_step_s=train_s, train_tok_per_s=rate(num_tokens, train_s), train_mfu=mfu, train_peak_gib=train_peak,
+        num_micro_batches=tm.num_micro_batches, micro_batch_max_tokens=stats.max_tokens,
+        micro_batch_mean_tokens=stats.mean_tokens, micro_batch_imbalance=stats.imbalance,
+        rank_tokens_max_over_mean=tm.tokens_max_over_mean,
+        mbs1_train_step_s=mbs1_s, mbs1_tok_per_s=None if mbs1_s is None else rate(num_tokens, mbs1_s),
+        mbs1_num_micro_batches=mbs1_mb,
+        dynamic_over_mbs1_speedup=None if mbs1_s is None else mbs1_s / train_s,
+        weight_sync_s=sync_s, weight_sync_gib=None if sync_bytes is None else sync_bytes / 2**30,
+        weight_sync_note=note)
+
+
+def _guarded_measure(fn: Callable[[], Any], dev: torch.device, actor: Any
+                     ) -> tuple[str, float | None, float | None]:
+    """(status, seconds, peak GiB) of fn(); OOM (or another error) is a row's result, not the part's."""
+    free_memory(dev)
+    reset_peak(dev)
+    try:
+        _, s = timed(fn, dev)
+        return "ok", s, peak_gib(dev)
+    except PartTimeout:
+        raise
+    except Exception as e:
+        # cuBLAS/cuDNN report a failed allocation as a RuntimeError, not OutOfMemoryError
+        oom = isinstance(e, OOM_ERRORS) or any(m in str(e) for m in ("out of memory", "ALLOC_FAILED"))
+        status = "oom" if oom else f"error: {type(e).__name__}: {e}".splitlines()[0][:300]
+        peak = peak_gib(dev)
+        actor.optimizer.zero_grad(set_to_none=True)
+        free_memory(dev)
+        return status, None, peak
+
+
+def _auto_budget(b: Bench) -> tuple[int | None, str]:
+    """memory_probe's budget, with the engine's weights reserved as in a colocated run."""
+    try:
+        from furlong.train.memory_probe import probe_max_tokens
+    except ImportError as e:
+        return None, f"memory_probe unavailable: {e!r}"
+    reserved = sum(p.numel() * p.element_size() for p in b.engine().parameters())
+    return probe_max_tokens(b.actor(), reserved_bytes=reserved), f"engine weights reserved: {reserved / 2**30:.2f} GiB"
+
+
+def part_budget(b: Bench) -> BudgetResult:
+    from furlong.train.batching import plan_micro_batches
+    actor, dev, samples = b.actor(), b.device, b.train_samples()
+    lengths = [s.num_tokens for s in samples]
+    num_tokens, rows = sum(lengths), []
+    try:   # first, while no OOM has disturbed the allocator
+        auto, note = _auto_budget(b)
+    except PartTimeout:
+        raise
+    except Exception as e:
+        auto, note = None, f"memory_probe failed: {e!r}"
+    print(f"[bench] budget auto: {auto} ({note})", flush=True)
+    saved = actor.max_tokens_per_gpu
+    try:
+        for budget in b.w.budgets:
+            actor.max_tokens_per_gpu = budget   # the Actor plans with this attribute at every step
+            t_status, t_s, t_peak = _guarded_measure(lambda: actor.train_step(samples), dev, actor)
+            l_status, l_s, l_peak = _guarded_measure(lambda: actor.compute_log_probs(samples, "old"), dev, actor)
+            rows.append(BudgetRow(
+                max_tokens_per_gpu=budget, num_micro_batches=len(plan_micro_batches(lengths, budget)),
+                train_status=t_status, train_s=t_s, train_tok_per_s=None if t_s is None else rate(num_tokens, t_s),
+                train_peak_gib=t_peak, log_probs_status=l_status, log_probs_s=l_s,
+                log_probs_tok_per_s=None if l_s is None else rate(num_tokens, l_s), log_probs_peak_gib=l_peak))
+            print(f"[bench] budget {budget}: train {t_status} {t_s}, log-probs {l_status} {l_s}", flush=True)
+    finally:
+        actor.max_tokens_per_gpu = saved
+    return BudgetResult(rows=rows, auto_max_tokens=auto, auto_note=note)
+
+
+def hf_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Longest first; a row joins while rows x (longest row) stays within budget (a longer row sits alone)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    out: list[list[int]] = []
+    for i in order:
+        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= budget:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def _hf_fwd_bwd(hf: Any, samples: list[TrainSample], idx: list[int], dev: torch.device) -> None:
+    """One padded micro-batch: CE over every real next token, summed, then backward."""
+    width = max(samples[i].num_tokens for i in idx)
+    ids = torch.zeros(len(idx), width, dtype=torch.long)
+    mask = torch.zeros(len(idx), width, dtype=torch.long)
+    for r, i in enumerate(idx):
+        ids[r, :samples[i].num_tokens], mask[r, :samples[i].num_tokens] = samples[i].token_ids, 1
+    labels = torch.cat([ids[:, 1:], torch.zeros(len(idx), 1, dtype=torch.long)], 1)
+    labels[torch.cat([mask[:, 1:], torch.zeros(len(idx), 1, dtype=torch.long)], 1) == 0] = -100
+    ids, mask, labels = ids.to(dev), mask.to(dev), labels.to(dev)
+    logits = hf(input_ids=ids, attention_mask=mask, use_cache=False).logits   # no KV cache in training
+    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+    loss.backward()
+
+
+def part_hf(b: Bench) -> HfTrainResult:
+    dev, samples = b.device, b.train_samples()
+    hf = build_hf_model(b.engine(), b.w.model, b.dtype, dev).train()
+    lengths = [s.num_tokens for s in samples]
+    plan = hf_micro_batches(lengths, b.w.max_tokens_per_gpu)
+    try:
+        _hf_fwd_bwd(hf, samples, plan[0], dev)                                  # warm-up
+        hf.zero_grad(set_to_none=True)
+        reset_peak(dev)
+        _, secs = timed(lambda: [_hf_fwd_bwd(hf, samples, mb, dev) for mb in plan], dev)
+        peak = peak_gib(dev)
+    finally:
+        del hf
+        free_memory(dev)
+    train = b.reports.get("train")
+    ours = train.result.train_tok_per_s if train is not None and train.status == "ok" else None
+    real = sum(lengths)
+    return HfTrainResult(
+        max_tokens_per_micro_batch=b.w.max_tokens_per_gpu, num_micro_batches=len(plan), num_real_tokens=real,
+        num_padded_tokens=sum(len(mb) * lengths[mb[0]] for mb in plan), seconds=secs,
+        tok_per_s=rate(real, secs), peak_gib=peak,
+        furlong_over_hf=None if ours is None else ours / rate(real, secs))

@@ -1,0 +1,111 @@
+"""The bench workload file (bench/seed_workload.json): parsing, validation, part names.
+
+The file fixes the model config (an HF config.json), prompt lengths, forced
+response lengths, train settings and a decode probe. Bad input raises
+ValueError naming the file and the missing/inconsistent key; the model config
+is validated with ModelArgs at load time, so a bad one fails before any part runs.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from furlong.models.hf_config import ModelArgs
+
+PART_ORDER = ("train", "budget", "hf", "rollout", "decode")
+DEFAULT_BUDGETS = [32768, 65536, 131072, 200000]
+
+
+@dataclass
+class Workload:
+    name: str
+    model: dict[str, Any]          # HF config.json fields
+    prompt_lens: list[int]         # [num_prompts]
+    response_lens: list[int]       # [num_prompts * n_samples]; sample i answers prompt i // n_samples
+    n_samples_per_prompt: int
+    temperature: float
+    top_p: float
+    top_k: int
+    global_batch_size: int
+    use_dynamic_batch_size: bool
+    max_tokens_per_gpu: int
+    optimizer: str
+    lr: float
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    eps_clip: float
+    eps_clip_high: float
+    update_weight_buffer_size: int  # bytes per weight-sync bucket
+    budgets: list[int]              # --max-tokens-per-gpu values of the budget sweep
+    decode_batch: int
+    decode_prompt_len: int
+    decode_new_tokens: int
+    hf_max_seconds: float           # cap on the HF generate run of the decode probe
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.response_lens)
+
+    def sample_lengths(self) -> list[int]:
+        """Prompt + response tokens of each sample [num_samples]."""
+        n = self.n_samples_per_prompt
+        return [self.prompt_lens[i // n] + r for i, r in enumerate(self.response_lens)]
+
+
+def load_workload(path: str | Path) -> Workload:
+    """Parse a workload JSON; ValueError names the file and key."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--workload: {path} not found") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--workload: {path} is not valid JSON ({e})") from None
+
+    def get(section: str, key: str, default: Any = ...) -> Any:
+        block = raw.get(section)
+        if not isinstance(block, dict) or (key not in block and default is ...):
+            raise ValueError(f"--workload: {path}: missing key {section}.{key}")
+        return block.get(key, default)
+
+    if not isinstance(raw.get("model"), dict):
+        raise ValueError(f"--workload: {path}: missing key 'model' (an HF config)")
+    n = int(get("rollout", "n_samples_per_prompt"))
+    prompt_lens = [int(x) for x in get("rollout", "prompt_lens")]
+    response_lens = [int(x) for x in get("rollout", "response_lens")]
+    if n < 1 or not prompt_lens or len(response_lens) != len(prompt_lens) * n:
+        raise ValueError(f"--workload: {path}: rollout.response_lens has {len(response_lens)} entries, "
+                         f"expected len(prompt_lens) * n_samples_per_prompt = {len(prompt_lens) * n}")
+    if min(prompt_lens + response_lens) < 1:
+        raise ValueError(f"--workload: {path}: rollout.prompt_lens/response_lens must be >= 1")
+    eps = float(get("train", "eps_clip", 0.2))
+    w = Workload(
+        name=str(raw.get("name", path.stem)), model=raw["model"], prompt_lens=prompt_lens,
+        response_lens=response_lens, n_samples_per_prompt=n,
+        temperature=float(get("rollout", "temperature", 1.0)), top_p=float(get("rollout", "top_p", 1.0)),
+        top_k=int(get("rollout", "top_k", -1)),
+        global_batch_size=int(get("train", "global_batch_size", len(response_lens))),
+        use_dynamic_batch_size=bool(get("train", "use_dynamic_batch_size", True)),
+        max_tokens_per_gpu=int(get("train", "max_tokens_per_gpu")), optimizer=str(get("train", "optimizer", "adam")),
+        lr=float(get("train", "lr", 1e-6)), weight_decay=float(get("train", "weight_decay", 0.0)),
+        adam_beta1=float(get("train", "adam_beta1", 0.9)), adam_beta2=float(get("train", "adam_beta2", 0.95)),
+        eps_clip=eps, eps_clip_high=float(get("train", "eps_clip_high", eps)),
+        update_weight_buffer_size=int(get("train", "update_weight_buffer_size", 512 * 1024**2)),
+        budgets=[int(b) for b in get("train", "budget_sweep", DEFAULT_BUDGETS)],
+        decode_batch=int(get("decode_probe", "batch")), decode_prompt_len=int(get("decode_probe", "prompt_len")),
+        decode_new_tokens=int(get("decode_probe", "new_tokens")),
+        hf_max_seconds=float(get("decode_probe", "hf_max_seconds", 60.0)),
+    )
+    ModelArgs.from_hf_config(w.model, source=f"{path}: model")   # validates the config now
+    return w
+
+
+def parse_parts(parts: str) -> list[str]:
+    names = list(PART_ORDER) if parts.strip() == "all" else [p.strip() for p in parts.split(",") if p.strip()]
+    bad = [p for p in names if p not in PART_ORDER]
+    if bad or not names:
+        raise ValueError(f"--parts: unknown part(s) {bad} (all, or a comma list of {', '.join(PART_ORDER)})")
+    return [p for p in PART_ORDER if p in names]
