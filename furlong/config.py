@@ -128,6 +128,7 @@ class ParallelConfig:
     train_backend: str = flag("fsdp", "fsdp")
     device: str = flag("auto", "auto | cpu | cuda")
     dtype: str = flag("auto", "compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32")
+    torch_compile: str = flag("auto", "compile the trainer's decoder layers and log-prob kernels: auto (on CUDA) | on | off")
     seed: int = flag(1234, "trainer seed")
 
 
@@ -281,6 +282,7 @@ def validate(cfg: Config, command: str = "train") -> None:
     _need(p.actor_num_nodes >= 1, "--actor-num-nodes", "must be >= 1")
     _need(p.device in ("auto", "cpu", "cuda"), "--device", f"unknown device {p.device!r}")
     _need(p.dtype in ("auto", "bf16", "fp32"), "--dtype", f"unknown dtype {p.dtype!r}")
+    _need(p.torch_compile in ("auto", "on", "off"), "--torch-compile", f"expected auto, on or off, got {p.torch_compile!r}")
     _need(cfg.ckpt.save_interval is None or cfg.ckpt.save is not None, "--save-interval", "needs --save")
     if cfg.log.ci_test:
         _need(cfg.log.ci_metric_checker_key is not None, "--ci-metric-checker-key", "required with --ci-test")

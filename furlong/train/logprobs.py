@@ -18,6 +18,8 @@ Peak extra memory is about two [chunk_size, V] fp32 buffers, plus one fp32
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -26,39 +28,55 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    z = (hidden @ weight.t()).to(_compute_dtype(hidden.dtype))
-    if temperature != 1.0:
-        z.div_(temperature)
-    return z
+def _chunk_stats(zb: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+    """Per-token logsumexp, target log-prob and entropy of one chunk's raw logits zb [C, V]."""
+    z = zb.to(_compute_dtype(zb.dtype)) / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(1, targets[:, None]).squeeze(1) - lse
+    ent = lse - (torch.exp(z - lse[:, None]) * z).sum(-1) if with_entropy else None
+    return lse, logp, ent
+
+
+def _chunk_grad(zb: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor | None,
+                grad_logp: torch.Tensor | None, grad_ent: torch.Tensor | None, temperature: float,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """dL/d(h W^T) for one chunk [C, V], from the incoming per-token gradients."""
+    z = zb.to(_compute_dtype(zb.dtype)) / temperature
+    p = torch.exp(z - lse[:, None])
+    gz = torch.zeros_like(z)
+    if grad_ent is not None:   # sum_u p_u z_u = lse - entropy
+        gz = gz - p * (z - (lse - ent)[:, None]) * grad_ent[:, None].to(z.dtype)
+    if grad_logp is not None:
+        g = grad_logp[:, None].to(z.dtype)
+        gz = (gz - p * g).scatter_add(1, targets[:, None], g)
+    return (gz / temperature).to(out_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(compiled: bool):
+    """(stats, grad) chunk functions; on CUDA compiled so each chunk's elementwise work is
+    one or two fused passes over the [C, V] logits instead of about ten eager ones."""
+    if not compiled:
+        return _chunk_stats, _chunk_grad
+    return (torch.compile(_chunk_stats, dynamic=True), torch.compile(_chunk_grad, dynamic=True))
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, compiled):
+        stats, _ = _kernels(compiled)
         num_tokens = hidden.shape[0]
         logp = torch.empty(num_tokens, dtype=_compute_dtype(hidden.dtype), device=hidden.device)
         lse = torch.empty_like(logp)
         ent = torch.empty_like(logp) if with_entropy else None
         for s in range(0, num_tokens, chunk_size):
             e = min(s + chunk_size, num_tokens)
-            z = _chunk_logits(hidden[s:e], weight, temperature)
-            lse_c = torch.logsumexp(z, dim=-1)
-            lse[s:e] = lse_c
-            logp[s:e] = z.gather(1, targets[s:e, None]).squeeze(1) - lse_c
+            lse[s:e], logp[s:e], ent_c = stats(hidden[s:e] @ weight.t(), targets[s:e], temperature, with_entropy)
             if with_entropy:
-                p = (z - lse_c[:, None]).exp_()
-                ent[s:e] = lse_c - p.mul_(z).sum(-1)
-                del p
-            del z
-        ctx.temperature = temperature
-        ctx.chunk_size = chunk_size
-        ctx.with_entropy = with_entropy
+                ent[s:e] = ent_c
+        ctx.temperature, ctx.chunk_size, ctx.with_entropy, ctx.compiled = temperature, chunk_size, with_entropy, compiled
         ctx.set_materialize_grads(False)
-        if with_entropy:
-            ctx.save_for_backward(hidden, weight, targets, lse, ent)
-        else:
-            ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.save_for_backward(hidden, weight, targets, lse, *([ent] if with_entropy else []))
         return logp, ent
 
     @staticmethod
@@ -67,8 +85,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
         ent = ctx.saved_tensors[4] if ctx.with_entropy else None
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if grad_logp is None and grad_ent is None:
-            return None, None, None, None, None, None
-        tau = ctx.temperature
+            return (None,) * 7
+        _, grad_fn = _kernels(ctx.compiled)
         num_tokens = hidden.shape[0]
         grad_h = torch.zeros_like(hidden) if need_h else None
         # fp32 accumulator: summing many bf16 per-chunk products in bf16 would lose precision.
@@ -76,41 +94,28 @@ class _ChunkedLogProbs(torch.autograd.Function):
                   if need_w else None)
         for s in range(0, num_tokens, ctx.chunk_size):
             e = min(s + ctx.chunk_size, num_tokens)
-            z = _chunk_logits(hidden[s:e], weight, tau)
-            lse_c = lse[s:e, None]
-            p = (z - lse_c).exp_()
-            # dL/dz = g_logp * (onehot - p) - g_ent * p * (z - sum p z), built in place.
-            if grad_ent is not None:
-                gz = z.sub_(lse_c - ent[s:e, None]).mul_(grad_ent[s:e, None].to(z.dtype))
-                if grad_logp is not None:
-                    gz.add_(grad_logp[s:e, None].to(z.dtype))
-                gz.mul_(p).neg_()
-            else:
-                gz = p.mul_(grad_logp[s:e, None].to(z.dtype)).neg_()
-            del p, z
-            if grad_logp is not None:
-                gz.scatter_add_(1, targets[s:e, None], grad_logp[s:e, None].to(gz.dtype))
-            if tau != 1.0:
-                gz.div_(tau)
-            gz = gz.to(weight.dtype)
+            gz = grad_fn(hidden[s:e] @ weight.t(), targets[s:e], lse[s:e], None if ent is None else ent[s:e],
+                         None if grad_logp is None else grad_logp[s:e],
+                         None if grad_ent is None else grad_ent[s:e], ctx.temperature, weight.dtype)
             if need_h:
                 grad_h[s:e] = gz @ weight
             if need_w:
                 grad_w += gz.t() @ hidden[s:e]
             del gz
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
 
 
 def chunked_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                       temperature: float = 1.0, chunk_size: int = 4096, with_entropy: bool = False,
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      compiled: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets[t] | position t) [T] fp32 and entropy [T] fp32 (None unless with_entropy).
 
     (fp64 inputs compute and return fp64.)
 
     hidden [T, H] final normed hidden states, weight [V, H] the LM head (same
     dtype as hidden), targets [T] int64, temperature divides the logits.
-    Differentiable in hidden and weight.
+    Differentiable in hidden and weight. compiled: fuse the per-chunk elementwise work with
+    torch.compile (default: on CUDA); the eager path computes the same function.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"chunked_log_probs: hidden {tuple(hidden.shape)} and weight "
@@ -123,5 +128,7 @@ def chunked_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
         raise ValueError(f"chunked_log_probs: chunk_size must be >= 1, got {chunk_size}")
     if temperature <= 0:
         raise ValueError(f"--rollout-temperature: log-probs need a temperature > 0, got {temperature}")
+    if compiled is None:
+        compiled = hidden.is_cuda
     return _ChunkedLogProbs.apply(hidden, weight, targets.long(), float(temperature), int(chunk_size),
-                                  bool(with_entropy))
+                                  bool(with_entropy), bool(compiled))
