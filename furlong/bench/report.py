@@ -54,6 +54,7 @@ class BudgetRow:
     log_probs_s: float | None
     log_probs_tok_per_s: float | None
     log_probs_peak_gib: float | None
+    gradient_checkpointing: bool = False
 
 
 @dataclass
@@ -144,7 +145,7 @@ def format_table(reports: dict[str, PartReport], summary: StepSummary) -> str:
         res = rep.result
         if isinstance(res, BudgetResult):
             for r in res.rows:
-                rows.append((name, f"max_tokens={r.max_tokens_per_gpu}",
+                rows.append((name, f"max_tokens={r.max_tokens_per_gpu}" + (" +recompute" if r.gradient_checkpointing else ""),
                              f"mb={r.num_micro_batches} train {r.train_status} {_fmt(r.train_tok_per_s)} tok/s "
                              f"peak {_fmt(r.train_peak_gib)} GiB | logp {r.log_probs_status} "
                              f"{_fmt(r.log_probs_tok_per_s)} tok/s peak {_fmt(r.log_probs_peak_gib)} GiB"))

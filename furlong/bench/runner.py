@@ -82,8 +82,8 @@ def run_bench(workload_path: str, output_path: str | None = None, parts: str = "
                 rep.seconds = time.perf_counter() - t
                 free_memory(b.device)
                 print(f"[bench] part {name}: {rep.status} in {rep.seconds:.1f}s {rep.error}", flush=True)
-            if name == "budget" or (name == "train" and "budget" not in names):
-                b.release_actor()   # training state is not needed by later parts; HF and rollout need the memory
+            if name in ("train", "budget"):
+                b.release_actor()   # HF and rollout need the memory; budget builds a fresh actor
             payload["parts"][name] = dataclasses.asdict(rep)
             write_json(out, payload)
         summary = step_summary(b.reports)

@@ -128,19 +128,28 @@ def part_budget(b: Bench) -> BudgetResult:
         auto, note = None, f"memory_probe failed: {e!r}"
     print(f"[bench] budget auto: {auto} ({note})", flush=True)
     saved = actor.max_tokens_per_gpu
+    # Without recompute first; then the budgets that ran out of memory again with
+    # --gradient-checkpointing (the log-prob forward has no activations to recompute).
+    plan = [(budget, False) for budget in b.w.budgets]
     try:
-        for budget in b.w.budgets:
+        for budget, ckpt in plan:
             actor.max_tokens_per_gpu = budget   # the Actor plans with this attribute at every step
+            actor.model.gradient_checkpointing = ckpt
             t_status, t_s, t_peak = _guarded_measure(lambda: actor.train_step(samples), dev, actor)
             l_status, l_s, l_peak = _guarded_measure(lambda: actor.compute_log_probs(samples, "old"), dev, actor)
             rows.append(BudgetRow(
                 max_tokens_per_gpu=budget, num_micro_batches=len(plan_micro_batches(lengths, budget)),
                 train_status=t_status, train_s=t_s, train_tok_per_s=None if t_s is None else rate(num_tokens, t_s),
                 train_peak_gib=t_peak, log_probs_status=l_status, log_probs_s=l_s,
-                log_probs_tok_per_s=None if l_s is None else rate(num_tokens, l_s), log_probs_peak_gib=l_peak))
-            print(f"[bench] budget {budget}: train {t_status} {t_s}, log-probs {l_status} {l_s}", flush=True)
+                log_probs_tok_per_s=None if l_s is None else rate(num_tokens, l_s), log_probs_peak_gib=l_peak,
+                gradient_checkpointing=ckpt))
+            print(f"[bench] budget {budget} (recompute {ckpt}): train {t_status} {t_s}, "
+                  f"log-probs {l_status} {l_s}", flush=True)
+            if not ckpt and t_status != "ok":
+                plan.append((budget, True))
     finally:
         actor.max_tokens_per_gpu = saved
+        actor.model.gradient_checkpointing = False
     return BudgetResult(rows=rows, auto_max_tokens=auto, auto_note=note)
 
 

@@ -14,7 +14,8 @@ from typing import Any
 
 from furlong.models.hf_config import ModelArgs
 
-PART_ORDER = ("train", "budget", "hf", "rollout", "decode")
+# budget last: its out-of-memory rows can leave the allocator fragmented for later parts
+PART_ORDER = ("train", "hf", "rollout", "decode", "budget")
 DEFAULT_BUDGETS = [32768, 65536, 131072, 200000]
 
 
