@@ -137,7 +137,9 @@ def build_run(cfg: Config, ctx, with_actor: bool) -> RunParts:
     ckpt = check_checkpoint_dir(cfg.data.hf_checkpoint)
     args = ModelArgs.from_dir(ckpt)
     tokenizer = load_tokenizer(ckpt)
-    max_resp = max(cfg.rollout.rollout_max_response_len, cfg.eval_sampling()["max_new_tokens"])
+    max_resp = cfg.rollout.rollout_max_response_len
+    if cfg.eval_sets():
+        max_resp = max(max_resp, cfg.eval_sampling()["max_new_tokens"])
     max_ctx = args.max_position_embeddings - max_resp
     if max_ctx <= 0:
         raise ValueError(f"--rollout-max-response-len: {max_resp} leaves no room for a prompt in the model's "
