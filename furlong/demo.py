@@ -56,6 +56,8 @@ def write_random_qwen3(out_dir: Path, tokenizer_dir: Path, scale: DemoScale, see
         num_key_value_heads=max(1, scale.num_heads // 2), head_dim=scale.hidden // scale.num_heads,
         max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=True,
         torch_dtype="float32", eos_token_id=None, bos_token_id=None)
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
     model = Qwen3ForCausalLM(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir))
@@ -99,7 +101,8 @@ def run_demo(output_dir: str | None = None, seed: int = 0, quick: bool = False) 
         sft.data.prompt_data = str(data / "sft.parquet")
         sft.data.input_key, sft.data.label_key, sft.data.apply_chat_template = "messages", "label", True
         sft.optim.lr, sft.optim.weight_decay, sft.optim.clip_grad = scale.sft_lr, 0.0, 1.0
-        sft.optim.lr_decay_style, sft.optim.lr_warmup_iters = "cosine", 10
+        sft_steps = (scale.num_train // scale.sft_batch) * scale.sft_epochs
+        sft.optim.lr_decay_style, sft.optim.lr_warmup_iters = "cosine", max(1, min(10, sft_steps // 10))
         sft.optim.adam_beta2 = 0.98
         sft.batch.global_batch_size = scale.sft_batch
         sft.batch.use_dynamic_batch_size, sft.batch.max_tokens_per_gpu = True, "8192"

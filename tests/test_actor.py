@@ -93,6 +93,8 @@ def test_compute_log_probs_matches_unpacked_forward(tiny_ckpt):
     actor = Actor(load_pretrained(tiny_ckpt), cfg, ctx)
     samples = synthetic_samples([17, 9, 25, 6, 12])
     got = actor.compute_log_probs(samples, "old")
+    # everything resharded afterwards (checkpointing and weight sync expect DTensors)
+    assert all(hasattr(p, "full_tensor") for p in actor.model.parameters())
     plain = load_pretrained(tiny_ckpt)
     with torch.no_grad():
         for s, lp in zip(samples, got):
@@ -132,6 +134,19 @@ def test_reuse_equals_two_pass(tiny_ckpt):
     for n in g0:
         torch.testing.assert_close(g0[n], g1[n], rtol=1e-5, atol=1e-8)
         torch.testing.assert_close(w0[n], w1[n], rtol=1e-6, atol=1e-8)
+
+
+def test_gradient_checkpointing_same_gradients(tiny_ckpt):
+    ctx = init_distributed("cpu")
+    samples = synthetic_samples([14, 9, 20])
+    grads = []
+    for ckpt_on in (False, True):
+        actor = Actor(load_pretrained(tiny_ckpt), tiny_config(gradient_checkpointing=ckpt_on, micro_batch_size=2), ctx)
+        assert actor.model.gradient_checkpointing is ckpt_on
+        grads.append(capture_grads(actor))
+        actor.train_step(samples)
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, rtol=1e-5, atol=1e-8, msg=n)
 
 
 def test_reuse_flag_rejected_with_several_steps(tiny_ckpt):

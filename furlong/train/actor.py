@@ -41,7 +41,7 @@ from torch.distributed.fsdp import register_fsdp_forward_method
 from furlong.config import Config
 from furlong.train.batching import (fixed_micro_batches, move_micro_batch, num_loss_tokens, pack_micro_batch,
                                     plan_micro_batches, split_across_ranks, token_loss_weights)
-from furlong.train.distributed import DistContext
+from furlong.train.distributed import DistContext, all_gather_flat
 from furlong.train.fsdp import default_param_dtype, shard_model
 from furlong.train.logprobs import chunked_log_probs
 from furlong.train.losses import LossMetrics, LossParams, rl_loss, sft_loss
@@ -235,37 +235,22 @@ class Actor:
         for k in range(num_mb):
             real = k < len(mine)
             mb = pack_micro_batch(samples, zero_w, mine[k]) if real else _dummy_micro_batch(False, False)
-            mb = move_micro_batch(mb, self.ctx.device)
-            logp, _ = self._log_probs(model, mb, with_entropy=False)
-            if real:
-                for i, (s, e) in zip(mb.sample_indices, _response_slices(mb, samples)):
-                    out[i] = logp[s:e]
-        return self._all_gather_per_sample(out, split, samples)
-
-    def _all_gather_per_sample(self, mine: dict[int, torch.Tensor], split: list[list[int]],
-                               samples: list[TrainSample]) -> list[torch.Tensor]:
-        """Every rank's per-sample results, in sample order. Sizes are known everywhere,
-        so one all_gather of padded flat tensors suffices."""
+            slices = _response_slices(mb, samples)  # from the host copy: no device sync
+            logp, _ = self._log_probs(model, move_micro_batch(mb, self.ctx.device), with_entropy=False)
+            for i, (s, e) in zip(mb.sample_indices, slices):
+                out[i] = logp[s:e]
+        # the root module stays gathered after a forward (fsdp.py) and only a backward would
+        # reshard it; do it here so memory is freed and named_parameters() are DTensors again
+        model.reshard()
+        # every rank knows every rank's sample order and sizes: one gather of flat tensors
+        local = [out[i] for i in split[self.ctx.rank]]
+        flat = torch.cat(local) if local else torch.zeros(0, device=self.ctx.device)
         sizes = [sum(samples[i].num_response_tokens for i in idx) for idx in split]
-        width = max(max(sizes), 1)
-        flat = torch.zeros(width, dtype=torch.float32, device=self.ctx.device)
-        my_idx = split[self.ctx.rank]
-        if my_idx:
-            flat[:sizes[self.ctx.rank]] = torch.cat([mine[i] for i in my_idx])
-        if self.ctx.world_size > 1:
-            bufs = [torch.empty_like(flat) for _ in range(self.ctx.world_size)]
-            dist.all_gather(bufs, flat)
-        else:
-            bufs = [flat]
-        result: list[torch.Tensor | None] = [None] * len(samples)
-        for r, idx in enumerate(split):
-            host = bufs[r].cpu()
-            pos = 0
-            for i in idx:
-                n = samples[i].num_response_tokens
-                result[i] = host[pos:pos + n].clone()
-                pos += n
-        return result  # type: ignore[return-value]
+        result: list[torch.Tensor] = [torch.empty(0)] * len(samples)
+        for idx, gathered in zip(split, all_gather_flat(flat, sizes)):
+            for i, part in zip(idx, gathered.split([samples[i].num_response_tokens for i in idx])):
+                result[i] = part.clone()
+        return result
 
     # ------------------------------------------------------------------ training
 

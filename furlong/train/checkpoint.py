@@ -27,6 +27,7 @@ import os
 import random
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from furlong.train.distributed import barrier
 
@@ -165,9 +166,10 @@ def load_model_weights(load_dir: str | os.PathLike, model: torch.nn.Module) -> i
     if iteration is None:
         raise ValueError(f"--load: no {TRACKER} in {load_dir}")
     path = Path(load_dir) / f"iter_{iteration:07d}"
-    model_sd = {k: v for k, v in model.state_dict().items()}
-    state = {"model": model_sd}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    state = {"model": dict(model.state_dict())}
+    with warnings.catch_warnings():  # DCP warns that it assumes one process: that is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
     missing = set(model.state_dict()) - set(state["model"])
     if missing:
         raise ValueError(f"--load: {path} lacks weights {sorted(missing)[:3]}")

@@ -9,22 +9,25 @@ Three ways a trainer process comes to life:
     FSDP2 wraps the model the same way at every world size (one code path).
 
 Backend: nccl on CUDA, gloo on CPU. `all_reduce_sum` / `all_reduce_max` reduce
-several Python numbers with ONE collective (they are stacked into one tensor),
-which is how the trainer keeps its per-step host syncs down to one.
+several Python numbers with ONE collective (stacked into one tensor) and one
+host copy; `all_gather_flat` gathers variable-length 1-D results in one call.
+
+A failing worker (any exception, or SystemExit with a non-zero code) puts
+"Type: first line of message" on a queue and exits; launch_local then stops the
+other workers and raises WorkerError("rank R: ...") with that line.
 """
 from __future__ import annotations
 
+import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import socket
-import sys
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import multiprocessing as mp
-import multiprocessing.connection as mp_connection
 
 
 @dataclass
@@ -112,6 +115,20 @@ def all_reduce_max(values: Sequence[float], device: torch.device | None = None) 
     return _reduce(values, dist.ReduceOp.MAX, device)
 
 
+def all_gather_flat(local: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+    """Gather each rank's 1-D `local` (rank r holds sizes[r] elements, known to all ranks)
+    with one collective; returns the per-rank tensors on the CPU."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [local.detach().cpu()]
+    width = max(max(sizes), 1)
+    padded = torch.zeros(width, dtype=local.dtype, device=local.device)
+    padded[:local.numel()] = local
+    bufs = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(bufs, padded)
+    host = torch.stack(bufs).cpu()  # one device-to-host copy for all ranks
+    return [host[r, :n] for r, n in enumerate(sizes)]
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -184,12 +201,3 @@ def launch_local(fn: Callable[..., Any], num_procs: int, *args: Any) -> None:
             rank, line = err_q.get()
             raise WorkerError(f"rank {rank}: {line}")
         raise WorkerError(f"rank {rank}: exited with code {failed.exitcode}")
-
-
-def main_exit_on_worker_error(fn: Callable[..., Any], num_procs: int, *args: Any) -> None:
-    """CLI helper: like launch_local, but print the worker's error and exit non-zero."""
-    try:
-        launch_local(fn, num_procs, *args)
-    except WorkerError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None

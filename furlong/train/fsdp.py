@@ -61,7 +61,3 @@ def set_sum_reduction(module: FSDPModule) -> None:
     module.set_gradient_divide_factor(1.0)
     if hasattr(module, "set_force_sum_reduction_for_comms"):
         module.set_force_sum_reduction_for_comms(True)
-
-
-def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
