@@ -99,6 +99,8 @@ def run_rl(cfg: Config, ctx) -> int:
     for rollout_id in range(parts.start_rollout, num_rollout):
         t_step = time.perf_counter()
         batch = parts.rollout(rollout_id)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()   # colocated: hand the engine's KV-cache memory to the trainer
         t_rollout = time.perf_counter() - t_step
 
         samples = to_train_samples(batch.groups, cfg)

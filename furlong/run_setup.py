@@ -164,14 +164,22 @@ def build_run(cfg: Config, ctx, with_actor: bool) -> RunParts:
     # 2. models
     device = ctx.device
     dtype = resolve_dtype(cfg, device)
-    actor = None
-    if with_actor:
-        from furlong.train.actor import Actor
-        actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=device), cfg, ctx)
     engine_model = load_pretrained(ckpt, dtype=dtype, device=device)
     num_params = sum(p.numel() for p in engine_model.parameters())
     generator = Generator(engine_model, tokenizer, eos_token_ids(ckpt, tokenizer),
                           max_batch_size=_engine_batch_size(cfg), device=device)
+    actor = None
+    if with_actor:
+        from furlong.train.actor import Actor
+        from furlong.train.memory_probe import CPU_DEFAULT_TOKENS, probe_max_tokens
+        auto = cfg.max_tokens_per_gpu_is_auto
+        actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=device), cfg, ctx,
+                      max_tokens_per_gpu=CPU_DEFAULT_TOKENS if auto else None)
+        if auto:   # measured with the engine's weights already resident, as in every later step
+            reserved = sum(p.numel() * p.element_size() for p in engine_model.parameters())
+            actor.max_tokens_per_gpu = probe_max_tokens(actor, reserved_bytes=reserved)
+            if ctx.rank == 0:
+                print(f"--max-tokens-per-gpu auto: chose {actor.max_tokens_per_gpu} tokens", flush=True)
 
     # 3. outputs (rank 0 writes)
     out = default_output_dir(cfg)

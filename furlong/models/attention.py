@@ -12,6 +12,7 @@ take `is_causal=True`. Without `enable_gqa`, K/V heads are expanded for GQA.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from typing import Callable
@@ -41,7 +42,11 @@ def _probe_varlen() -> tuple[Callable | None, dict, bool]:
     return varlen_attn, causal, "enable_gqa" in params
 
 
-_VARLEN_FN, _VARLEN_CAUSAL, _VARLEN_GQA = _probe_varlen()   # constants for this process
+@functools.lru_cache(maxsize=None)
+def _varlen_kernel() -> tuple[Callable | None, dict, bool]:
+    """_probe_varlen, once per process and only when first needed: importing
+    torch.nn.attention.varlen loads dynamo, about 3 s that CPU runs never need."""
+    return _probe_varlen()
 
 
 def expand_kv(x: torch.Tensor, num_groups: int, head_dim_axis: int) -> torch.Tensor:
@@ -71,13 +76,13 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
     groups = q.shape[1] // k.shape[1]
     extra = {}
-    if groups > 1 and _VARLEN_GQA:
+    fn, causal, has_gqa = _varlen_kernel()
+    if groups > 1 and has_gqa:
         extra["enable_gqa"] = True
     else:
         k, v = expand_kv(k, groups, 1), expand_kv(v, groups, 1)
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    return _VARLEN_FN(q, k, v, cu, cu, max_seqlen, max_seqlen,
-                      scale=1.0 / math.sqrt(q.shape[-1]), **_VARLEN_CAUSAL, **extra)
+    return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, scale=1.0 / math.sqrt(q.shape[-1]), **causal, **extra)
 
 
 _PACKED_IMPLS: dict[str, Callable[..., torch.Tensor]] = {"varlen": _varlen, "per_sample": _per_sample}
@@ -85,7 +90,7 @@ _PACKED_IMPLS: dict[str, Callable[..., torch.Tensor]] = {"varlen": _varlen, "per
 
 def select_packed_impl(q: torch.Tensor) -> str:
     """The fastest exact implementation available for this tensor."""
-    if _VARLEN_FN is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _varlen_kernel()[0] is not None:
         return "varlen"
     return "per_sample"
 
@@ -103,6 +108,6 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     name = impl or select_packed_impl(q)
     if name not in _PACKED_IMPLS:
         raise ValueError(f"packed attention impl {name!r} unknown (choose from {sorted(_PACKED_IMPLS)})")
-    if name == "varlen" and _VARLEN_FN is None:
+    if name == "varlen" and _varlen_kernel()[0] is None:
         raise ValueError("packed attention impl 'varlen' needs torch.nn.attention.varlen.varlen_attn")
     return _PACKED_IMPLS[name](q, k, v, cu_seqlens, max_seqlen)

@@ -42,7 +42,7 @@ from furlong.config import Config
 from furlong.train.batching import (fixed_micro_batches, move_micro_batch, num_loss_tokens, pack_micro_batch,
                                     plan_micro_batches, split_across_ranks, token_loss_weights)
 from furlong.train.distributed import DistContext, all_gather_flat
-from furlong.train.fsdp import default_param_dtype, shard_model
+from furlong.train.fsdp import compile_enabled, compile_layers, default_param_dtype, shard_model
 from furlong.train.logprobs import chunked_log_probs
 from furlong.train.losses import LossMetrics, LossParams, rl_loss, sft_loss
 from furlong.train.optimizer import build_lr_scheduler, build_optimizer
@@ -157,6 +157,8 @@ class Actor:
         self.max_tokens_per_gpu = max_tokens_per_gpu if max_tokens_per_gpu is not None else cfg.max_tokens_per_gpu
 
     def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        if compile_enabled(self.cfg.parallel.torch_compile, self.ctx.device):
+            compile_layers(model)
         shard_model(model, self.ctx, self.param_dtype)
         # forward_packed is not __call__: route it through FSDP's unshard/reshard hooks
         register_fsdp_forward_method(model, "forward_packed")
@@ -215,7 +217,8 @@ class Actor:
             hidden = model.forward_packed(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
         weight = model.output_weight  # the root stays unsharded after forward (fsdp.py)
         return chunked_log_probs(hidden, weight.to(hidden.dtype), mb.targets,
-                                 self.cfg.rollout.rollout_temperature, LOGPROB_CHUNK, with_entropy)
+                                 self.cfg.rollout.rollout_temperature, LOGPROB_CHUNK, with_entropy,
+                                 compiled=compile_enabled(self.cfg.parallel.torch_compile, hidden.device))
 
     @torch.no_grad()
     def compute_log_probs(self, samples: list[TrainSample], which: str = "old") -> list[torch.Tensor]:

@@ -61,3 +61,25 @@ def set_sum_reduction(module: FSDPModule) -> None:
     module.set_gradient_divide_factor(1.0)
     if hasattr(module, "set_force_sum_reduction_for_comms"):
         module.set_force_sum_reduction_for_comms(True)
+
+
+def compile_enabled(flag: str, device: torch.device) -> bool:
+    """--torch-compile: auto compiles on CUDA only (CPU runs are small and compile time dominates)."""
+    return flag == "on" or (flag == "auto" and device.type == "cuda")
+
+
+def compile_layers(model: nn.Module) -> None:
+    """torch.compile the elementwise-heavy parts of each decoder layer (before sharding).
+
+    Compiled: the SwiGLU MLP and every RMSNorm (fp32 compute), where eager mode
+    spends many memory-bound passes around few matmuls. Attention stays eager: its
+    packed kernel is one op already, and the CPU fallback's per-sample loop does not
+    trace. Only `forward` is replaced, on the instance, so parameter names stay the
+    same (no `_orig_mod.` prefix for checkpoints and weight sync) and FSDP's hooks
+    run eagerly around the compiled regions. dynamic=True: micro-batch token counts
+    change every time.
+    """
+    for layer in model.layers:
+        for name, sub in layer.named_modules():
+            if name == "mlp" or type(sub).__name__ == "RMSNorm":
+                sub.forward = torch.compile(sub.forward, dynamic=True)
