@@ -133,8 +133,14 @@ def part_budget(b: Bench) -> BudgetResult:
     plan = [(budget, False) for budget in b.w.budgets]
     try:
         for budget, ckpt in plan:
+            if ckpt and not actor.model.gradient_checkpointing:
+                # a fresh actor: an out-of-memory error inside FSDP's backward leaves its
+                # parameters half-gathered, which the recompute then trips over
+                b.release_actor()
+                free_memory(dev)
+                actor = b.actor()
+                actor.model.gradient_checkpointing = True
             actor.max_tokens_per_gpu = budget   # the Actor plans with this attribute at every step
-            actor.model.gradient_checkpointing = ckpt
             t_status, t_s, t_peak = _guarded_measure(lambda: actor.train_step(samples), dev, actor)
             l_status, l_s, l_peak = _guarded_measure(lambda: actor.compute_log_probs(samples, "old"), dev, actor)
             rows.append(BudgetRow(
@@ -150,6 +156,7 @@ def part_budget(b: Bench) -> BudgetResult:
     finally:
         actor.max_tokens_per_gpu = saved
         actor.model.gradient_checkpointing = False
+        actor = None
     return BudgetResult(rows=rows, auto_max_tokens=auto, auto_note=note)
 
 
@@ -181,16 +188,29 @@ def _hf_fwd_bwd(hf: Any, samples: list[TrainSample], idx: list[int], dev: torch.
 
 
 def part_hf(b: Bench) -> HfTrainResult:
+    """HF fwd+bwd at our token budget; if its padded fp32 logits do not fit, at half of it (noted)."""
     dev, samples = b.device, b.train_samples()
     hf = build_hf_model(b.engine(), b.w.model, b.dtype, dev).train()
     lengths = [s.num_tokens for s in samples]
-    plan = hf_micro_batches(lengths, b.w.max_tokens_per_gpu)
+    budgets = [b.w.max_tokens_per_gpu, b.w.max_tokens_per_gpu // 2]
     try:
-        _hf_fwd_bwd(hf, samples, plan[0], dev)                                  # warm-up
-        hf.zero_grad(set_to_none=True)
-        reset_peak(dev)
-        _, secs = timed(lambda: [_hf_fwd_bwd(hf, samples, mb, dev) for mb in plan], dev)
-        peak = peak_gib(dev)
+        for k, budget in enumerate(budgets):
+            plan = hf_micro_batches(lengths, budget)
+            try:
+                _hf_fwd_bwd(hf, samples, plan[0], dev)                          # warm-up (largest row first)
+            except OOM_ERRORS:
+                if k + 1 == len(budgets):
+                    raise
+                hf.zero_grad(set_to_none=True)
+                free_memory(dev)
+                print(f"[bench] hf: out of memory at {budget} tokens per micro-batch; trying {budgets[k + 1]}",
+                      flush=True)
+                continue
+            hf.zero_grad(set_to_none=True)
+            reset_peak(dev)
+            _, secs = timed(lambda: [_hf_fwd_bwd(hf, samples, mb, dev) for mb in plan], dev)
+            peak = peak_gib(dev)
+            break
     finally:
         del hf
         free_memory(dev)
@@ -198,7 +218,7 @@ def part_hf(b: Bench) -> HfTrainResult:
     ours = train.result.train_tok_per_s if train is not None and train.status == "ok" else None
     real = sum(lengths)
     return HfTrainResult(
-        max_tokens_per_micro_batch=b.w.max_tokens_per_gpu, num_micro_batches=len(plan), num_real_tokens=real,
+        max_tokens_per_micro_batch=budget, num_micro_batches=len(plan), num_real_tokens=real,
         num_padded_tokens=sum(len(mb) * lengths[mb[0]] for mb in plan), seconds=secs,
         tok_per_s=rate(real, secs), peak_gib=peak,
         furlong_over_hf=None if ours is None else ours / rate(real, secs))
