@@ -284,6 +284,9 @@ def validate(cfg: Config, command: str = "train") -> None:
     _need(p.dtype in ("auto", "bf16", "fp32"), "--dtype", f"unknown dtype {p.dtype!r}")
     _need(p.torch_compile in ("auto", "on", "off"), "--torch-compile", f"expected auto, on or off, got {p.torch_compile!r}")
     _need(cfg.ckpt.save_interval is None or cfg.ckpt.save is not None, "--save-interval", "needs --save")
+    if cfg.log.use_wandb:
+        import importlib.util
+        _need(importlib.util.find_spec("wandb") is not None, "--use-wandb", "the wandb package is not installed")
     if cfg.log.ci_test:
         _need(cfg.log.ci_metric_checker_key is not None, "--ci-metric-checker-key", "required with --ci-test")
         _need(cfg.log.ci_metric_checker_threshold is not None, "--ci-metric-checker-threshold", "required with --ci-test")

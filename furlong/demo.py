@@ -35,6 +35,7 @@ class DemoScale:
     rollout_batch_size: int = 32
     n_samples: int = 8
     grpo_lr: float = 3e-4
+    grpo_steps_per_rollout: int = 1
     max_response_len: int = 40
 
 
@@ -75,6 +76,35 @@ def _eval_scores(metrics_path: Path, key: str) -> list[float]:
     return out
 
 
+def grpo_config(out: Path, data: Path, scale: DemoScale, seed: int) -> Config:
+    """The reference workload's recipe (DESIGN.md §1), scaled down to the demo model."""
+    rl = Config()
+    rl.data.hf_checkpoint = str(out / "sft_model")
+    rl.data.prompt_data = str(data / "train.parquet")
+    rl.data.input_key, rl.data.label_key, rl.data.apply_chat_template = "messages", "label", True
+    rl.data.rollout_shuffle, rl.data.rollout_seed = True, seed
+    rl.reward.rm_type = "math"
+    rl.rollout.num_rollout = scale.num_rollout
+    rl.rollout.rollout_batch_size = scale.rollout_batch_size
+    rl.rollout.n_samples_per_prompt = scale.n_samples
+    rl.rollout.rollout_max_response_len = scale.max_response_len
+    rl.rollout.rollout_temperature = 1.0
+    rl.rollout.over_sampling_batch_size = scale.rollout_batch_size * 2
+    rl.rollout.dynamic_sampling_filter_path = \
+        "miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"
+    rl.eval.eval_prompt_data = ["synthetic", str(data / "test.parquet")]
+    rl.eval.eval_interval = scale.num_rollout
+    rl.eval.eval_top_k = 1
+    rl.optim.lr, rl.optim.weight_decay = scale.grpo_lr, 0.0
+    rl.optim.adam_beta1, rl.optim.adam_beta2 = 0.9, 0.98
+    rl.batch.global_batch_size = scale.rollout_batch_size * scale.n_samples // scale.grpo_steps_per_rollout
+    rl.batch.use_dynamic_batch_size, rl.batch.max_tokens_per_gpu = True, "8192"
+    rl.algo.eps_clip, rl.algo.eps_clip_high = 0.2, 0.28
+    rl.parallel.device, rl.parallel.seed = "cpu", seed
+    rl.log.output_dir = str(out / "grpo")
+    return rl
+
+
 def run_demo(output_dir: str | None = None, seed: int = 0, quick: bool = False) -> int:
     from furlong.sft import run_sft
     from furlong.loop import run_rl
@@ -113,30 +143,7 @@ def run_demo(output_dir: str | None = None, seed: int = 0, quick: bool = False) 
         print("demo: supervised fine-tuning on worked solutions", flush=True)
         run_sft(sft, ctx)
 
-        rl = Config()
-        rl.data.hf_checkpoint = str(out / "sft_model")
-        rl.data.prompt_data = str(data / "train.parquet")
-        rl.data.input_key, rl.data.label_key, rl.data.apply_chat_template = "messages", "label", True
-        rl.data.rollout_shuffle, rl.data.rollout_seed = True, seed
-        rl.reward.rm_type = "math"
-        rl.rollout.num_rollout = scale.num_rollout
-        rl.rollout.rollout_batch_size = scale.rollout_batch_size
-        rl.rollout.n_samples_per_prompt = scale.n_samples
-        rl.rollout.rollout_max_response_len = scale.max_response_len
-        rl.rollout.rollout_temperature = 1.0
-        rl.rollout.over_sampling_batch_size = scale.rollout_batch_size * 2
-        rl.rollout.dynamic_sampling_filter_path = \
-            "miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"
-        rl.eval.eval_prompt_data = ["synthetic", str(data / "test.parquet")]
-        rl.eval.eval_interval = scale.num_rollout
-        rl.eval.eval_top_k = 1
-        rl.optim.lr, rl.optim.weight_decay = scale.grpo_lr, 0.0
-        rl.optim.adam_beta1, rl.optim.adam_beta2 = 0.9, 0.98
-        rl.batch.global_batch_size = scale.rollout_batch_size * scale.n_samples
-        rl.batch.use_dynamic_batch_size, rl.batch.max_tokens_per_gpu = True, "8192"
-        rl.algo.eps_clip, rl.algo.eps_clip_high = 0.2, 0.28
-        rl.parallel.device, rl.parallel.seed = "cpu", seed
-        rl.log.output_dir = str(out / "grpo")
+        rl = grpo_config(out, data, scale, seed)
         print("demo: GRPO on the synthetic task", flush=True)
         run_rl(rl, ctx)
     finally:
