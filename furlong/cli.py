@@ -119,6 +119,9 @@ def _run(argv: list[str]) -> int:
         if notes:
             print(f"furlong: note: {' '.join(notes)} only tune SGLang and do not apply to the built-in engine",
                   file=sys.stderr)
+        if cfg.rollout.rollout_num_gpus_per_engine > 1:
+            print(f"furlong: note: --rollout-num-gpus-per-engine {cfg.rollout.rollout_num_gpus_per_engine}: the "
+                  "built-in engine runs one data-parallel copy per rank (no tensor parallelism)", file=sys.stderr)
         from furlong import entry
         return {"train": entry.train, "sft": entry.sft, "eval": entry.evaluate}[command](cfg)
     args = _build_parser().parse_args(argv)

@@ -54,10 +54,9 @@ class RolloutConfig:
     over_sampling_batch_size: int | None = flag(None, "groups submitted per generation round (default: rollout batch size)")
     dynamic_sampling_filter_path: str | None = flag(None, "group filter function (module path)")
     rollout_num_gpus_per_engine: int = flag(1, "GPUs per rollout engine (built-in engine: one per rank)")
-    rollout_num_gpus: int | None = flag(None, "GPUs for rollout (colocated: same as the actor's)")
-    rollout_kv_fraction: float = flag(0.5, "fraction of free GPU memory the engine's KV cache may take",
+    rollout_num_gpus: int | None = flag(None, "GPUs for rollout (the built-in engine is colocated: the actor's)")
+    rollout_kv_fraction: float = flag(0.8, "fraction of free GPU memory the engine's KV cache may take",
                                       aliases=["--sglang-mem-fraction-static"])
-    rollout_batch_tokens: int = flag(0, "engine max tokens per forward (0: automatic)")
     sglang_decode_log_interval: int | None = flag(None, "SGLang only", sglang=True)
     sglang_enable_metrics: bool = flag(False, "SGLang only", sglang=True)
 
@@ -247,6 +246,9 @@ def validate(cfg: Config, command: str = "train") -> None:
     _need(0 < r.rollout_top_p <= 1, "--rollout-top-p", "must be in (0, 1]")
     _need(r.rollout_top_k == -1 or r.rollout_top_k >= 1, "--rollout-top-k", "must be -1 (off) or >= 1")
     _need(cfg.over_sampling_batch_size >= 1, "--over-sampling-batch-size", "must be >= 1")
+    num_gpus = p.actor_num_nodes * p.actor_num_gpus_per_node
+    _need(r.rollout_num_gpus is None or r.rollout_num_gpus == num_gpus, "--rollout-num-gpus",
+          f"the built-in engine is colocated: it runs on the actor's {num_gpus} GPU(s)")
     _need(0 < r.rollout_kv_fraction < 1, "--rollout-kv-fraction", "must be in (0, 1)")
     _need(len(e.eval_prompt_data) % 2 == 0, "--eval-prompt-data", "expects pairs: name path [name path ...]")
     _need(e.eval_interval is None or e.eval_interval >= 1, "--eval-interval", "must be >= 1")

@@ -24,6 +24,8 @@ from furlong.config import Config
 class DemoScale:
     num_train: int = 4000
     num_test: int = 200
+    max_number: int = 20
+    two_step_fraction: float = 0.25
     vocab_size: int = 384
     hidden: int = 128
     num_layers: int = 4
@@ -105,20 +107,22 @@ def grpo_config(out: Path, data: Path, scale: DemoScale, seed: int) -> Config:
     return rl
 
 
-def run_demo(output_dir: str | None = None, seed: int = 0, quick: bool = False) -> int:
+def run_demo(output_dir: str | None = None, seed: int = 0, quick: bool = False,
+             scale: DemoScale | None = None) -> int:
     from furlong.sft import run_sft
     from furlong.loop import run_rl
     from furlong.tasks.synthetic import corpus, make_problems, prepare_synthetic
     from furlong.tasks.tokenizer import build_tokenizer
     from furlong.train.distributed import destroy_distributed, init_distributed
 
-    scale = QUICK if quick else DemoScale()
+    scale = scale or (QUICK if quick else DemoScale())
     out = Path(output_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     t0 = time.perf_counter()
     print(f"demo: writing to {out}", flush=True)
     data = out / "data"
-    prepare_synthetic(data, scale.num_train, scale.num_test, seed)
-    train, _ = make_problems(scale.num_train, scale.num_test, seed)
+    task = dict(max_number=scale.max_number, two_step_fraction=scale.two_step_fraction)
+    prepare_synthetic(data, scale.num_train, scale.num_test, seed, **task)
+    train, _ = make_problems(scale.num_train, scale.num_test, seed, **task)
     tok_dir = build_tokenizer(corpus(train), out / "tokenizer", vocab_size=scale.vocab_size)
     base = write_random_qwen3(out / "base", tok_dir, scale, seed)
     print(f"demo: data, tokenizer and a random {scale.num_layers}-layer Qwen3 model ready "

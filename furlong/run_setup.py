@@ -78,6 +78,9 @@ def write_eval_samples(output_dir: Path, name: str, rollout_id: int, samples: li
     os.replace(tmp, path)
 
 
+MAX_ENGINE_BATCH = 1024   # rows per decode step; beyond this a step is compute-bound anyway
+
+
 @dataclass
 class RunParts:
     cfg: Config
@@ -92,9 +95,27 @@ class RunParts:
     actor: Any | None                          # train.actor.Actor (None for eval only)
     start_rollout: int
     num_params: int
+    model_args: Any                            # ModelArgs
+    engine_dtype: torch.dtype
+    max_prompt_len: int                        # longest prompt of the training and eval sets (tokens)
+
+    def size_engine(self, num_sequences: int, max_new_tokens: int) -> None:
+        """Rows decoded together: all of them, unless the KV cache would pass
+        --rollout-kv-fraction of the GPU memory free right now (the trainer's state stays
+        resident while the colocated engine runs)."""
+        n = max(1, min(num_sequences, MAX_ENGINE_BATCH))
+        if self.ctx.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.ctx.device)
+            a = self.model_args
+            bytes_per_row = (2 * a.num_layers * a.num_kv_heads * a.head_dim * self.engine_dtype.itemsize
+                             * (self.max_prompt_len + max_new_tokens))
+            n = max(1, min(n, int(self.cfg.rollout.rollout_kv_fraction * free) // bytes_per_row))
+        self.generator.max_batch_size = n
 
     def rollout(self, rollout_id: int):
         from furlong.rollout.rollout import RolloutSpec, generate_rollout
+        self.size_engine(self.cfg.over_sampling_batch_size * self.cfg.rollout.n_samples_per_prompt,
+                         self.cfg.rollout.rollout_max_response_len)
         return generate_rollout(self.dataset, self.generator, self.reward_fn, self.filter_fn,
                                 RolloutSpec.from_config(self.cfg), self.rank_info(), rollout_id)
 
@@ -106,6 +127,7 @@ class RunParts:
         from furlong.rollout.eval import run_eval
         from furlong.rollout.sampling import SamplingParams
         params = SamplingParams.for_eval(self.cfg, seed=self.cfg.data.rollout_seed)
+        self.size_engine(len(prompts) * self.cfg.eval.n_samples_per_eval_prompt, params.max_new_tokens)
         return run_eval(name, prompts, self.generator, self.reward_fn, params,
                         self.cfg.eval.n_samples_per_eval_prompt, self.rank_info())
 
@@ -156,6 +178,7 @@ def build_run(cfg: Config, ctx, with_actor: bool) -> RunParts:
                            label_key=cfg.eval.eval_label_key or cfg.data.label_key, shuffle=False,
                            seed=0, **common)
         eval_sets.append((name, ds.all()))
+    prompt_pool = [p for _, prompts in eval_sets for p in prompts] + (dataset.all() if dataset is not None else [])
     reward_fn = get_reward_fn(cfg.reward.rm_type, cfg.reward.custom_rm_path)
     filter_fn = load_filter(cfg.rollout.dynamic_sampling_filter_path)
     if cfg.ckpt.load is not None and not (Path(cfg.ckpt.load) / "latest_checkpointed_iteration.txt").is_file():
@@ -167,7 +190,7 @@ def build_run(cfg: Config, ctx, with_actor: bool) -> RunParts:
     engine_model = load_pretrained(ckpt, dtype=dtype, device=device)
     num_params = sum(p.numel() for p in engine_model.parameters())
     generator = Generator(engine_model, tokenizer, eos_token_ids(ckpt, tokenizer),
-                          max_batch_size=_engine_batch_size(cfg), device=device)
+                          max_batch_size=1, device=device)   # sized before each generation (size_engine)
     actor = None
     if with_actor:
         from furlong.train.actor import Actor
@@ -199,7 +222,8 @@ def build_run(cfg: Config, ctx, with_actor: bool) -> RunParts:
 
     parts = RunParts(cfg=cfg, ctx=ctx, output_dir=out, logger=logger, dataset=dataset, eval_sets=eval_sets,
                      generator=generator, reward_fn=reward_fn, filter_fn=filter_fn, actor=actor,
-                     start_rollout=0, num_params=num_params)
+                     start_rollout=0, num_params=num_params, model_args=args, engine_dtype=dtype,
+                     max_prompt_len=max(len(p.token_ids) for p in prompt_pool))
     if cfg.ckpt.load is not None and actor is not None:
         from furlong.train.checkpoint import load_checkpoint
         state = load_checkpoint(cfg.ckpt.load, actor)
@@ -209,9 +233,3 @@ def build_run(cfg: Config, ctx, with_actor: bool) -> RunParts:
             parts.sync_weights()
             logger.line(f"resumed from {cfg.ckpt.load} at rollout {parts.start_rollout}")
     return parts
-
-
-def _engine_batch_size(cfg: Config) -> int:
-    """Sequences generated together: a whole over-sampling round at once."""
-    n = cfg.over_sampling_batch_size * cfg.rollout.n_samples_per_prompt
-    return max(1, min(n, 1024))
