@@ -21,13 +21,13 @@ the 1-based row and the key where they apply.
 """
 from __future__ import annotations
 
-import json
 import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from furlong.jsonl import json_object
 from furlong.types import Prompt
 
 
@@ -64,12 +64,7 @@ def _read_jsonl(path: Path, rows: slice, input_key: str, label_key: str | None) 
     for index in range(len(lines))[rows]:
         line_no, line = lines[index]
         where = f"{path}: row {index + 1}" + (f" (line {line_no})" if line_no != index + 1 else "")
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(rec, dict):
-            raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+        rec = json_object(line, where, DataError)
         out.append((index, where, rec.get(input_key), rec.get(label_key) if label_key else None))
     return out
 

@@ -15,6 +15,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from furlong.jsonl import json_object
 from furlong.rewards.registry import get_scorer
 
 
@@ -55,12 +56,7 @@ def run_score(input_path: str | os.PathLike, rm_type: str, response_key: str = "
         if not line.strip():
             continue
         where = f"{src} row {n}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: malformed JSON ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        row = json_object(line, where)
         response = _field(row, response_key, where)
         label = _field(row, label_key, where)
         value = float(scorer(response, label))

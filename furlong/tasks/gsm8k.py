@@ -7,9 +7,9 @@ turn: the question plus a request for the final answer in \\boxed{}) and
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from furlong.jsonl import json_object
 from furlong.tasks import user_turn, write_parquet_atomic
 
 SPLITS = ("train", "test")
@@ -34,12 +34,7 @@ def _convert_split(path: Path) -> list[dict]:
             if not line.strip():
                 continue
             where = f"{path}: line {line_no}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: malformed JSON ({e.msg})") from None
-            if not isinstance(rec, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+            rec = json_object(line, where)
             for key in ("question", "answer"):
                 if not isinstance(rec.get(key), str):
                     raise ValueError(f"{where}: missing or non-string key {key!r}")
