@@ -3,8 +3,11 @@
 1. Synthetic arithmetic word problems (GSM8K format) with a held-out test split.
 2. A byte-level BPE tokenizer trained on them, with a ChatML template.
 3. A small random Qwen3-architecture model written as an HF checkpoint.
-4. SFT on the worked solutions (a short run: the model learns the format and
-   part of the arithmetic).
+4. SFT on the worked solutions (a short run: the model learns part of the
+   arithmetic). Half of the SFT solutions end in prose ("So the result is 8.")
+   rather than \\boxed{8}, which the math reward does not read: like a base
+   model whose habits differ from what the reward expects, the fine-tuned model
+   answers in both styles, and GRPO has a format to learn as well as arithmetic.
 5. GRPO with the reference workload's recipe (math reward, n samples per prompt,
    dynamic-sampling filter, dynamic batching), scaled down, with held-out eval
    before and after.
@@ -24,8 +27,9 @@ from furlong.config import Config
 class DemoScale:
     num_train: int = 4000
     num_test: int = 200
-    max_number: int = 20
-    two_step_fraction: float = 0.25
+    max_number: int = 10
+    two_step_fraction: float = 0.1
+    sft_unboxed_fraction: float = 0.5
     vocab_size: int = 384
     hidden: int = 128
     num_layers: int = 4
@@ -39,10 +43,12 @@ class DemoScale:
     grpo_lr: float = 3e-4
     grpo_steps_per_rollout: int = 1
     max_response_len: int = 40
+    dynamic_filter: bool = True
 
 
+# Plumbing only (tests): too little SFT to score, so no filter (it would find no mixed groups).
 QUICK = DemoScale(num_train=600, num_test=40, hidden=64, num_layers=2, sft_epochs=1, num_rollout=2,
-                  rollout_batch_size=8, n_samples=4)
+                  rollout_batch_size=8, n_samples=4, dynamic_filter=False)
 
 
 def write_random_qwen3(out_dir: Path, tokenizer_dir: Path, scale: DemoScale, seed: int) -> Path:
@@ -92,8 +98,9 @@ def grpo_config(out: Path, data: Path, scale: DemoScale, seed: int) -> Config:
     rl.rollout.rollout_max_response_len = scale.max_response_len
     rl.rollout.rollout_temperature = 1.0
     rl.rollout.over_sampling_batch_size = scale.rollout_batch_size * 2
-    rl.rollout.dynamic_sampling_filter_path = \
-        "miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"
+    if scale.dynamic_filter:
+        rl.rollout.dynamic_sampling_filter_path = \
+            "miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"
     rl.eval.eval_prompt_data = ["synthetic", str(data / "test.parquet")]
     rl.eval.eval_interval = scale.num_rollout
     rl.eval.eval_top_k = 1
@@ -111,7 +118,7 @@ def run_demo(output_dir: str | None = None, seed: int = 0, quick: bool = False,
              scale: DemoScale | None = None) -> int:
     from furlong.sft import run_sft
     from furlong.loop import run_rl
-    from furlong.tasks.synthetic import corpus, make_problems, prepare_synthetic
+    from furlong.tasks.synthetic import corpus, make_problems, plain_solution, prepare_synthetic
     from furlong.tasks.tokenizer import build_tokenizer
     from furlong.train.distributed import destroy_distributed, init_distributed
 
@@ -121,9 +128,11 @@ def run_demo(output_dir: str | None = None, seed: int = 0, quick: bool = False,
     print(f"demo: writing to {out}", flush=True)
     data = out / "data"
     task = dict(max_number=scale.max_number, two_step_fraction=scale.two_step_fraction)
-    prepare_synthetic(data, scale.num_train, scale.num_test, seed, **task)
+    prepare_synthetic(data, scale.num_train, scale.num_test, seed, sft_unboxed_fraction=scale.sft_unboxed_fraction,
+                      **task)
     train, _ = make_problems(scale.num_train, scale.num_test, seed, **task)
-    tok_dir = build_tokenizer(corpus(train), out / "tokenizer", vocab_size=scale.vocab_size)
+    texts = corpus(train) + [plain_solution(p) for p in train]
+    tok_dir = build_tokenizer(texts, out / "tokenizer", vocab_size=scale.vocab_size)
     base = write_random_qwen3(out / "base", tok_dir, scale, seed)
     print(f"demo: data, tokenizer and a random {scale.num_layers}-layer Qwen3 model ready "
           f"({time.perf_counter() - t0:.0f}s)", flush=True)

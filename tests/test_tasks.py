@@ -191,3 +191,17 @@ def test_tokenizer_chat_template(tiny_tok):
 def test_tokenizer_vocab_too_small(tmp_path):
     with pytest.raises(ValueError, match="vocab_size"):
         build_tokenizer(["abc"], tmp_path, vocab_size=100)
+
+
+def test_sft_rows_unboxed_fraction_mixes_styles_the_reward_reads_or_not():
+    from furlong.rewards import score
+    train, _ = make_problems(400, 0, seed=3)
+    rows = sft_rows(train, unboxed_fraction=0.5, seed=3)
+    assert rows == sft_rows(train, unboxed_fraction=0.5, seed=3)      # seeded
+    texts = [r["messages"][-1]["content"] for r in rows]
+    boxed = [t for t in texts if "\\boxed{" in t]
+    assert 150 < len(boxed) < 250
+    for r, t in zip(rows, texts):
+        assert score("math", t, r["label"]) == (1.0 if "\\boxed{" in t else 0.0)
+        assert t.endswith(f"\\boxed{{{r['label']}}}") or t.endswith(f"So the result is {r['label']}.")
+    assert sft_rows(train) == sft_rows(train, unboxed_fraction=0.0)

@@ -128,10 +128,28 @@ def prompt_row(p: Problem) -> dict:
     return {"messages": user_turn(p.question), "label": p.label, "answer": p.answer}
 
 
-def sft_rows(problems: list[Problem]) -> list[dict]:
-    """SFT rows: the user turn followed by the assistant's short solution."""
-    return [{"messages": user_turn(p.question) + [{"role": "assistant", "content": p.solution}],
-             "label": p.label, "answer": p.answer} for p in problems]
+def plain_solution(p: Problem) -> str:
+    """The solution ending in prose ("So the result is 8.") instead of \\boxed{8}: a style
+    the math reward does not read (it wants \\boxed, '####' or 'the answer is')."""
+    return p.solution.rsplit(" \\boxed", 1)[0] + f" So the result is {p.label}."
+
+
+def sft_rows(problems: list[Problem], unboxed_fraction: float = 0.0, seed: int = 0) -> list[dict]:
+    """SFT rows: the user turn followed by the assistant's short solution.
+
+    `unboxed_fraction` of the rows (a seeded choice) end in the plain style instead,
+    so the fine-tuned model answers in both styles, as a base model's habits differ
+    from what a reward reads; the demo's GRPO then has a format to learn.
+    """
+    if not 0.0 <= unboxed_fraction <= 1.0:
+        raise ValueError(f"unboxed_fraction: must be in [0, 1], got {unboxed_fraction}")
+    rng = random.Random(seed)
+    rows = []
+    for p in problems:
+        text = plain_solution(p) if rng.random() < unboxed_fraction else p.solution
+        rows.append({"messages": user_turn(p.question) + [{"role": "assistant", "content": text}],
+                     "label": p.label, "answer": p.answer})
+    return rows
 
 
 def corpus(problems: list[Problem]) -> list[str]:
@@ -141,7 +159,7 @@ def corpus(problems: list[Problem]) -> list[str]:
 
 def prepare_synthetic(output_dir: str | Path, num_train: int = 2000, num_test: int = 200, seed: int = 0,
                       max_number: int = 20, max_factor: int = 5,
-                      two_step_fraction: float = 0.25) -> dict[str, int]:
+                      two_step_fraction: float = 0.25, sft_unboxed_fraction: float = 0.0) -> dict[str, int]:
     """Write train/test/sft parquet files to `output_dir`; return rows per file."""
     train, test = make_problems(num_train, num_test, seed, max_number, max_factor, two_step_fraction)
     if not train or not test:
@@ -149,5 +167,5 @@ def prepare_synthetic(output_dir: str | Path, num_train: int = 2000, num_test: i
     out = Path(output_dir)
     write_parquet_atomic([prompt_row(p) for p in train], out / "train.parquet")
     write_parquet_atomic([prompt_row(p) for p in test], out / "test.parquet")
-    write_parquet_atomic(sft_rows(train), out / "sft.parquet")
+    write_parquet_atomic(sft_rows(train, sft_unboxed_fraction, seed), out / "sft.parquet")
     return {"train": len(train), "test": len(test), "sft": len(train)}
