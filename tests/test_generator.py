@@ -191,3 +191,28 @@ def test_kv_cache_mask_and_offsets():
     assert cache.offset == 4 and m[0, 0, 0].int().tolist() == [0, 1, 1, 1, 0, 0, 0, 0]
     with pytest.raises(ValueError, match="exceed max_len"):
         cache.begin_step(torch.ones(2, 5, dtype=torch.bool))
+
+
+@torch.inference_mode()
+def test_compaction_keeps_greedy_outputs(ckpt, prompts, monkeypatch):
+    """Rows that stop early are taken out of the batch; the survivors decode exactly as before."""
+    model, _ = ckpt
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    full = gen(ckpt, max_batch_size=4, compact_ratio=0.0).generate(prompts, params)
+    # stop tokens that the greedy responses hit at different steps, so rows finish apart
+    firsts = {o.token_ids[k] for o, k in zip(full, (15, 11, 7, 3))}   # longest prompt (slot 0) first
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True, stop_token_ids=sorted(firsts))
+    calls = []
+    real_keep = StaticKVCache.keep_rows
+    monkeypatch.setattr(StaticKVCache, "keep_rows", lambda self, rows: (calls.append(rows.numel()),
+                                                                      real_keep(self, rows))[1])
+    plain = gen(ckpt, max_batch_size=4, compact_ratio=0.0, check_interval=1).generate(prompts, params)
+    assert calls == []
+    compacted = gen(ckpt, max_batch_size=4, compact_ratio=1.0, check_interval=1).generate(prompts, params)
+    assert calls, "no row was compacted away"
+    assert [o.token_ids for o in compacted] == [o.token_ids for o in plain]
+    assert [o.finish_reason for o in compacted] == [o.finish_reason for o in plain]
+    for a, b in zip(compacted, plain):
+        assert torch.allclose(torch.tensor(a.log_probs), torch.tensor(b.log_probs), atol=1e-5)
+    for p, o in zip(prompts, compacted):   # and against the no-cache reference
+        assert o.token_ids == reference_greedy(model, p, len(o.token_ids))

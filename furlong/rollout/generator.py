@@ -19,6 +19,14 @@ come to the host once, for the stop-string scan and for the "every row done?"
 test that ends the batch early. Rows that finished keep being decoded until
 then (their extra tokens are dropped), which costs < check_interval wasted steps
 per batch but keeps the GPU queue full between checks.
+
+Compaction: at a check, once at most `compact_ratio` of the batch's rows are
+still running, the finished rows are taken out (their results kept) and the
+KV cache, tokens and state shrink to the live rows, so a batch does not decode
+its shortest responses for as long as its longest. Sampled tokens then come
+from a smaller noise draw, so sampled outputs differ from an uncompacted run
+(still seeded and deterministic); greedy outputs are identical. Skipped while
+stop strings are scanned (the scanner keeps per-row history).
 """
 from __future__ import annotations
 
@@ -51,7 +59,8 @@ def _last_logits(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor
 
 class Generator:
     def __init__(self, model: Any, tokenizer: Any, eos_token_ids: list[int], max_batch_size: int,
-                 device: torch.device | str, check_interval: int = 8, kv_bucket: int = 64):
+                 device: torch.device | str, check_interval: int = 8, kv_bucket: int = 64,
+                 compact_ratio: float = 0.75):
         if max_batch_size < 1:
             raise ValueError(f"Generator: max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model
@@ -61,6 +70,7 @@ class Generator:
         self.device = torch.device(device)
         self.check_interval = max(1, check_interval)
         self.kv_bucket = kv_bucket
+        self.compact_ratio = compact_ratio
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_id = pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
 
@@ -116,6 +126,8 @@ class Generator:
         stopped = torch.zeros(num_rows, dtype=torch.bool, device=dev)              # [B]
         stop_ids = self._stop_token_tensor(params)
         scan = _StopStringScan(self.tokenizer, params.stop, num_rows)
+        rows = list(range(num_rows))          # original row of each live slot
+        out: list[Generation | None] = [None] * num_rows
         checked = 0   # steps already brought to the host
         for step in range(max_new):
             tok, lp = sample_next(logits, params, rng)
@@ -133,22 +145,39 @@ class Generator:
                     for row, new_end in hits:
                         end[row], stopped[row] = new_end, True
                 checked = step + 1
-                if last or bool(stopped.all()):
+                stopped_h = stopped.tolist()
+                if last or all(stopped_h):
                     break
-            cache.begin_step(torch.ones(num_rows, 1, dtype=torch.bool, device=dev))
+                live = [i for i, done in enumerate(stopped_h) if not done]
+                if not scan.active and len(live) <= self.compact_ratio * len(rows):
+                    done = [i for i, d in enumerate(stopped_h) if d]
+                    self._finish(done, rows, tokens, log_probs, end, stopped, checked, scan, params, out)
+                    keep = torch.tensor(live, device=dev)
+                    tokens, log_probs, end, stopped = tokens[keep], log_probs[keep], end[keep], stopped[keep]
+                    tok, lengths = tok[keep], lengths[keep]
+                    cache.keep_rows(keep)
+                    rows = [rows[i] for i in live]
+            cache.begin_step(torch.ones(len(rows), 1, dtype=torch.bool, device=dev))
             logits = _last_logits(model, tok[:, None], (lengths + step)[:, None], cache)
+        self._finish(list(range(len(rows))), rows, tokens, log_probs, end, stopped, checked, scan, params, out)
+        return out  # type: ignore[return-value]
 
-        tokens_h, log_probs_h = tokens[:, :checked].tolist(), log_probs[:, :checked].tolist()
-        end_h, stopped_h = end.tolist(), stopped.tolist()
-        out = []
-        for r in range(num_rows):
-            n = end_h[r]
-            row_ids = tokens_h[r][:n]
+    def _finish(self, slots: list[int], rows: list[int], tokens: torch.Tensor, log_probs: torch.Tensor,
+                end: torch.Tensor, stopped: torch.Tensor, checked: int, scan: "_StopStringScan",
+                params: SamplingParams, out: list) -> None:
+        """Results of the live slots `slots` (their original rows: rows[slot]) into out."""
+        if not slots:
+            return
+        sel = torch.tensor(slots, device=tokens.device)
+        tokens_h, log_probs_h = tokens[sel, :checked].tolist(), log_probs[sel, :checked].tolist()
+        end_h, stopped_h = end[sel].tolist(), stopped[sel].tolist()
+        for k, slot in enumerate(slots):
+            r, n = rows[slot], end_h[k]
+            row_ids = tokens_h[k][:n]
             text = self.tokenizer.decode(row_ids, skip_special_tokens=False)
-            if r in scan.hit_rows:
+            if slot in scan.hit_rows:   # stop strings disable compaction: slot == original row
                 text = _cut_after_stop(text, params.stop)
-            out.append(Generation(row_ids, log_probs_h[r][:n], text, "stop" if stopped_h[r] else "length"))
-        return out
+            out[r] = Generation(row_ids, log_probs_h[k][:n], text, "stop" if stopped_h[k] else "length")
 
 
 def _cut_after_stop(text: str, stops: list[str]) -> str:

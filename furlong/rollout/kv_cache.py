@@ -103,3 +103,14 @@ class StaticKVCache:
             self._step_len = None
             self._mask = None
         return self.keys[layer_idx][:, :, :size], self.values[layer_idx][:, :, :size], mask
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Drop every row not in `rows` [B'] (ascending indices): finished sequences stop costing
+        attention and memory. Layer by layer, so the extra memory is one layer's live part."""
+        if self._step_len is not None:
+            raise ValueError("StaticKVCache.keep_rows: not between begin_step and the last layer's update")
+        for layer in range(self.num_layers):
+            self.keys[layer] = self.keys[layer].index_select(0, rows)
+            self.values[layer] = self.values[layer].index_select(0, rows)
+        self.valid = self.valid.index_select(0, rows)
+        self.batch_size = int(rows.numel())
