@@ -73,7 +73,11 @@ class CiFailure(RuntimeError):
 def _run_evals(parts: RunParts, rollout_id: int) -> dict[str, float]:
     out: dict[str, float] = {}
     for name, prompts in parts.eval_sets:
+        t = time.perf_counter()
+        parts.logger.line(f"[eval {name}] generating {len(prompts)} prompts x "
+                          f"{parts.cfg.eval.n_samples_per_eval_prompt} samples ...")
         res = parts.run_eval(name, prompts)
+        parts.logger.line(f"[eval {name}] {res.score:.3f} ({res.num_samples} samples, {time.perf_counter() - t:.1f}s)")
         out[f"eval/{name}"] = res.score
         if parts.ctx.rank == 0:
             write_eval_samples(parts.output_dir, name, rollout_id, res.samples)
