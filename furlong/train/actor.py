@@ -302,6 +302,9 @@ class Actor:
         total = LossMetrics.zeros(ctx.device)
         self.optimizer.zero_grad(set_to_none=True)
         for k in range(num_mb):
+            # Reduce-scatter gradients once per optimizer step, after the last micro-batch; before
+            # that each rank accumulates unsharded gradients locally (one fp32 copy of the weights).
+            self.model.set_requires_gradient_sync(k == num_mb - 1)
             mb = pack_micro_batch(samples, weights, mine[k]) if k < len(mine) else _dummy_micro_batch(has_old, has_ref)
             mb = move_micro_batch(mb, ctx.device)
             logp, ent = self._log_probs(self.model, mb, with_entropy)
