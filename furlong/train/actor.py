@@ -125,6 +125,13 @@ def _response_slices(mb: MicroBatch, samples: list[TrainSample]) -> list[tuple[i
     return out
 
 
+def _response_positions(slices: list[tuple[int, int]]) -> torch.Tensor:
+    """[R_total] int64 packed positions whose hidden states predict response tokens (host side)."""
+    if not slices:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.cat([torch.arange(s, e, dtype=torch.long) for s, e in slices])
+
+
 class Actor:
     def __init__(self, model: torch.nn.Module, cfg: Config, ctx: DistContext, loss: str = "rl",
                  total_steps: int | None = None, max_tokens_per_gpu: int | None = None):
@@ -211,16 +218,23 @@ class Actor:
 
     # ------------------------------------------------------------------ forward
 
-    def _log_probs(self, model: torch.nn.Module, mb: MicroBatch, with_entropy: bool):
+    def _log_probs(self, model: torch.nn.Module, mb: MicroBatch, positions: torch.Tensor, with_entropy: bool):
+        """Log-probs (and entropy) [T] of mb's targets; only `positions` (the response tokens'
+        predicting positions, [R_total] on the device) go through the LM head: prompt positions
+        carry no loss, and skipping them saves their share of the largest matmul. Other
+        positions read 0."""
         with warnings.catch_warnings():
             # FSDP2 warns that forward_packed returns a view (row 0 of [1, T, H]); nothing here
             # modifies it in place, which is what the warning is about
             warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
             hidden = model.forward_packed(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
         weight = model.output_weight  # the root stays unsharded after forward (fsdp.py)
-        return chunked_log_probs(hidden, weight.to(hidden.dtype), mb.targets,
-                                 self.cfg.rollout.rollout_temperature, LOGPROB_CHUNK, with_entropy,
-                                 compiled=compile_enabled(self.cfg.parallel.torch_compile, hidden.device))
+        logp, ent = chunked_log_probs(hidden.index_select(0, positions), weight.to(hidden.dtype),
+                                      mb.targets.index_select(0, positions), self.cfg.rollout.rollout_temperature,
+                                      LOGPROB_CHUNK, with_entropy,
+                                      compiled=compile_enabled(self.cfg.parallel.torch_compile, hidden.device))
+        spread = lambda x: torch.zeros(mb.num_tokens, dtype=x.dtype, device=x.device).index_copy(0, positions, x)  # noqa: E731
+        return spread(logp), None if ent is None else spread(ent)
 
     @torch.no_grad()
     def compute_log_probs(self, samples: list[TrainSample], which: str = "old") -> list[torch.Tensor]:
@@ -241,7 +255,8 @@ class Actor:
             real = k < len(mine)
             mb = pack_micro_batch(samples, zero_w, mine[k]) if real else _dummy_micro_batch(False, False)
             slices = _response_slices(mb, samples)  # from the host copy: no device sync
-            logp, _ = self._log_probs(model, move_micro_batch(mb, self.ctx.device), with_entropy=False)
+            positions = _response_positions(slices).to(self.ctx.device, non_blocking=True)
+            logp, _ = self._log_probs(model, move_micro_batch(mb, self.ctx.device), positions, with_entropy=False)
             for i, (s, e) in zip(mb.sample_indices, slices):
                 out[i] = logp[s:e]
         # the root module stays gathered after a forward (fsdp.py) and only a backward would
@@ -306,8 +321,9 @@ class Actor:
             # that each rank accumulates unsharded gradients locally (one fp32 copy of the weights).
             self.model.set_requires_gradient_sync(k == num_mb - 1)
             mb = pack_micro_batch(samples, weights, mine[k]) if k < len(mine) else _dummy_micro_batch(has_old, has_ref)
+            positions = _response_positions(_response_slices(mb, samples)).to(ctx.device, non_blocking=True)
             mb = move_micro_batch(mb, ctx.device)
-            logp, ent = self._log_probs(self.model, mb, with_entropy)
+            logp, ent = self._log_probs(self.model, mb, positions, with_entropy)
             if self.loss_params.entropy_coef == 0 and ent is not None:
                 ent = ent.detach()
             loss, metrics = self.loss_fn(mb, logp, ent, self.loss_params)

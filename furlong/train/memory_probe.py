@@ -76,11 +76,12 @@ def _measure(actor: Any, num_tokens: int) -> int:
     mb = _probe_batch(num_tokens, vocab, actor.ctx.device)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    logp, ent = actor._log_probs(actor.model, mb, with_entropy=True)
+    positions = torch.arange(1, num_tokens, device=actor.ctx.device) - 1   # every position predicts a response token
+    logp, ent = actor._log_probs(actor.model, mb, positions, with_entropy=True)
     loss, _ = actor.loss_fn(mb, logp, ent.detach(), actor.loss_params)
     loss.backward()
     with torch.no_grad():
-        actor._log_probs(actor.model, mb, with_entropy=False)
+        actor._log_probs(actor.model, mb, positions, with_entropy=False)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     actor.optimizer.zero_grad(set_to_none=True)
