@@ -40,7 +40,7 @@ class DemoScale:
     num_rollout: int = 24
     rollout_batch_size: int = 32
     n_samples: int = 8
-    grpo_lr: float = 3e-4
+    grpo_lr: float = 1e-4
     grpo_steps_per_rollout: int = 1
     max_response_len: int = 40
     dynamic_filter: bool = True
