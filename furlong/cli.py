@@ -122,8 +122,8 @@ def _run(argv: list[str]) -> int:
         if cfg.rollout.rollout_num_gpus_per_engine > 1:
             print(f"furlong: note: --rollout-num-gpus-per-engine {cfg.rollout.rollout_num_gpus_per_engine}: the "
                   "built-in engine runs one data-parallel copy per rank (no tensor parallelism)", file=sys.stderr)
-        from furlong import entry
-        return {"train": entry.train, "sft": entry.sft, "eval": entry.evaluate}[command](cfg)
+        from furlong.entry import COMMANDS
+        return COMMANDS[command](cfg)
     args = _build_parser().parse_args(argv)
     if args.command == "prepare":
         if args.task == "gsm8k":

@@ -105,7 +105,6 @@ def run_rl(cfg: Config, ctx) -> int:
         batch = parts.rollout(rollout_id)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()   # colocated: hand the engine's KV-cache memory to the trainer
-        t_rollout = time.perf_counter() - t_step
 
         samples = to_train_samples(batch.groups, cfg)
         t = time.perf_counter()
@@ -143,9 +142,9 @@ def run_rl(cfg: Config, ctx) -> int:
         step_time = time.perf_counter() - t_step
         num_train_tokens = sum(s.num_tokens for s in samples)
         metrics.update({
-            "perf/rollout_time": t_rollout, "perf/log_probs_time": t_logp, "perf/actor_train_time": t_train,
+            # perf/rollout_time and perf/rollout_tok_per_s come from the rollout's own clock (as_log)
+            "perf/log_probs_time": t_logp, "perf/actor_train_time": t_train,
             "perf/update_weights_time": t_sync, "perf/step_time": step_time,
-            "perf/rollout_tok_per_s": batch.metrics.num_generated_tokens / max(t_rollout, 1e-9),
             "perf/actor_train_tok_per_s": num_train_tokens / max(t_train, 1e-9),
             "perf/actor_train_mfu": parts.mfu(num_train_tokens, t_train),
         })

@@ -99,24 +99,25 @@ class MetricsLogger:
             self._wandb.finish()
 
 
+# (metric, formatter) shown in the progress line, in order
+PROGRESS_FIELDS = (
+    ("rollout/raw_reward", lambda v: f"reward {v:.3f}"),
+    ("rollout/response_len/mean", lambda v: f"len {v:.0f}"),
+    ("train/loss", lambda v: f"loss {v:+.4f}"),
+    ("train/num_micro_batches", lambda v: f"mb {v:.0f}"),
+)
+
+
 def progress_line(rollout_id: int, num_rollout: int, metrics: dict[str, float], eta_s: float) -> str:
     """One human line per rollout: step, reward, eval scores, throughput, time, ETA."""
     parts = [f"[rollout {rollout_id + 1}/{num_rollout}]"]
-    if "rollout/raw_reward" in metrics:
-        parts.append(f"reward {metrics['rollout/raw_reward']:.3f}")
-    if "rollout/response_len/mean" in metrics:
-        parts.append(f"len {metrics['rollout/response_len/mean']:.0f}")
-    if "train/loss" in metrics:
-        parts.append(f"loss {metrics['train/loss']:+.4f}")
-    if "train/num_micro_batches" in metrics:
-        parts.append(f"mb {metrics['train/num_micro_batches']:.0f}")
-    for k, v in metrics.items():
-        if k.startswith("eval/"):
-            parts.append(f"{k} {v:.3f}")
-    if "perf/rollout_tok_per_s" in metrics:
-        parts.append(f"gen {format_rate(metrics['perf/rollout_tok_per_s'])} tok/s")
-    if "perf/actor_train_tok_per_s" in metrics:
-        parts.append(f"train {format_rate(metrics['perf/actor_train_tok_per_s'])} tok/s")
+    for key, fmt in PROGRESS_FIELDS:
+        if key in metrics:
+            parts.append(fmt(metrics[key]))
+    parts += [f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/")]
+    for key, label in (("perf/rollout_tok_per_s", "gen"), ("perf/actor_train_tok_per_s", "train")):
+        if key in metrics:
+            parts.append(f"{label} {format_rate(metrics[key])} tok/s")
     if "perf/step_time" in metrics:
         parts.append(f"step {metrics['perf/step_time']:.1f}s")
     parts.append(f"ETA {format_duration(eta_s)}")

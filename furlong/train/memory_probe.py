@@ -76,7 +76,7 @@ def _measure(actor: Any, num_tokens: int) -> int:
     mb = _probe_batch(num_tokens, vocab, actor.ctx.device)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    positions = torch.arange(1, num_tokens, device=actor.ctx.device) - 1   # every position predicts a response token
+    positions = torch.arange(num_tokens - 1, device=actor.ctx.device)   # one prompt token: the rest is response
     logp, ent = actor._log_probs(actor.model, mb, positions, with_entropy=True)
     loss, _ = actor.loss_fn(mb, logp, ent.detach(), actor.loss_params)
     loss.backward()
