@@ -37,6 +37,7 @@ def tiny_workload(**train_overrides) -> dict:
                     "max_response_len": 16, "prompt_lens": [5, 9, 7], "response_lens": [3, 11, 6, 4, 1, 8]},
         "train": train,
         "decode_probe": {"about": "test", "batch": 4, "prompt_len": 8, "new_tokens": 12},
+        "eval_probe": {"num_prompts": 5, "max_new_tokens": 6},
     }
 
 
@@ -91,6 +92,12 @@ def test_all_parts_run_and_agree_with_the_workload(tmp_path, capsys):
     ro = parts["rollout"]["result"]
     assert ro["num_forced_tokens"] == sum(resp) and ro["max_new_tokens"] == max(resp)
     assert ro["tok_per_s"] == pytest.approx(sum(resp) / ro["seconds"])
+    assert ro["warm_tok_per_s"] == pytest.approx(sum(resp) / ro["warm_seconds"])
+    # continuous batching: rows leave at their own length, so the mean batch is below 6
+    assert ro["decode_steps"] >= max(resp) - 1 and ro["mean_running_batch"] < 6
+
+    ev = parts["eval"]["result"]
+    assert ev["num_prompts"] == 5 and ev["num_generated_tokens"] == 5 * 6
 
     de = parts["decode"]["result"]
     assert de["hf_new_tokens"] == de["new_tokens"] == 12

@@ -79,11 +79,31 @@ class HfTrainResult:
 @dataclass
 class RolloutResult:
     num_samples: int
-    max_new_tokens: int              # decode steps of the batch
-    num_forced_tokens: int           # sum of forced response lengths (the useful tokens)
+    max_new_tokens: int              # longest forced response
+    num_forced_tokens: int           # sum of forced response lengths (every token generated)
+    seconds: float                   # cold session: KV allocation + graph captures included
+    tok_per_s: float                 # forced tokens / s, cold
+    warm_seconds: float              # same requests, graphs kept from the cold session
+    warm_tok_per_s: float
+    decode_steps: int                # decode steps of the cold run
+    decode_steps_per_s: float
+    mean_running_batch: float        # rows per decode step
+    kv_utilization: float            # mean used / total KV pages per decode window
+    num_preemptions: int
+    peak_gib: float | None
+    note: str
+
+
+@dataclass
+class EvalProbeResult:
+    num_prompts: int
+    max_new_tokens: int
+    num_generated_tokens: int
     seconds: float
-    tok_per_s: float                 # forced tokens / s
-    decoded_slots_per_s: float       # num_samples * max_new_tokens / s
+    tok_per_s: float
+    decode_steps: int
+    mean_running_batch: float
+    num_preemptions: int
     peak_gib: float | None
     note: str
 
@@ -95,6 +115,7 @@ class DecodeResult:
     new_tokens: int
     furlong_s: float
     furlong_tok_per_s: float
+    furlong_ms_per_step: float
     furlong_peak_gib: float | None
     hf_new_tokens: int               # < new_tokens when capped by hf_max_seconds
     hf_s: float

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from furlong.bench.generation_parts import part_decode, part_rollout
+from furlong.bench.generation_parts import part_decode, part_eval, part_rollout
 from furlong.bench.measure import PartTimeout, free_memory, time_guard
 from furlong.bench.report import PartReport, format_table, step_summary, write_json
 from furlong.bench.state import Bench
@@ -25,11 +25,12 @@ from furlong.bench.workload import load_workload, parse_parts
 
 # Per-part wall-clock guards (s) on CUDA; the whole run also stops starting parts
 # once FURLONG_BENCH_TIME_S (default 480 s: the device call allows 9 minutes) is spent.
-PART_GUARD_S = {"train": 150, "budget": 120, "hf": 90, "rollout": 150, "decode": 170}
+PART_GUARD_S = {"train": 150, "budget": 120, "hf": 90, "rollout": 150, "decode": 170, "eval": 150}
 
 # The part registry: name -> function of the run state returning that part's result dataclass.
 PARTS: dict[str, Callable[[Bench], Any]] = {
     "train": part_train, "budget": part_budget, "hf": part_hf, "rollout": part_rollout, "decode": part_decode,
+    "eval": part_eval,
 }
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from furlong.models.hf_config import ModelArgs
 
 # budget last: its out-of-memory rows can leave the allocator fragmented for later parts
-PART_ORDER = ("train", "hf", "rollout", "decode", "budget")
+PART_ORDER = ("train", "hf", "rollout", "decode", "eval", "budget")
 DEFAULT_BUDGETS = [32768, 65536, 131072, 200000]
 
 
@@ -45,6 +45,8 @@ class Workload:
     decode_prompt_len: int
     decode_new_tokens: int
     hf_max_seconds: float           # cap on the HF generate run of the decode probe
+    eval_num_prompts: int           # eval probe: prompts (lengths cycle through prompt_lens), greedy
+    eval_max_new_tokens: int
 
     @property
     def num_samples(self) -> int:
@@ -99,6 +101,8 @@ def load_workload(path: str | Path) -> Workload:
         decode_batch=int(get("decode_probe", "batch")), decode_prompt_len=int(get("decode_probe", "prompt_len")),
         decode_new_tokens=int(get("decode_probe", "new_tokens")),
         hf_max_seconds=float(get("decode_probe", "hf_max_seconds", 60.0)),
+        eval_num_prompts=int(raw.get("eval_probe", {}).get("num_prompts", 1319)),
+        eval_max_new_tokens=int(raw.get("eval_probe", {}).get("max_new_tokens", 1024)),
     )
     ModelArgs.from_hf_config(w.model, source=f"{path}: model")   # validates the config now
     return w

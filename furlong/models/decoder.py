@@ -9,9 +9,9 @@ Three ways in, one layer stack:
   forward / hidden_states  [B, T] rows, optional left/right padding mask, optional KV cache
   forward_packed           one packed row of N samples (cu_seqlens), see attention.py
 Each DecoderLayer is self-contained (FSDP shards each one) and knows its
-layer_idx for the KV-cache protocol: `k_all, v_all, mask = cache.update(layer_idx, k, v)`
-with k/v [B, Hkv, T, D] roped, k_all/v_all [B, Hkv, S, D], and mask a bool
-[B|1, 1, T, S] (True = attend) or None for plain causal with S == T.
+layer_idx for the KV-cache protocol of the rollout engine: with a cache, the
+cache owns attention, `out = cache.attend(layer_idx, q, k, v)` with roped
+q [B, T, Hq, D], k/v [B, T, Hkv, D] and out [B, T, Hq, D] (engine/kv_cache.py).
 HF parameter names are mapped in hf_io.py, not here.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from furlong.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 class AttnInputs:
     """How the layers' attention should mix positions; exactly one mode is used."""
     mask: torch.Tensor | None = None        # [B, 1, T, T] bool, True = attend (None: causal)
-    kv_cache: Any = None                    # object with .update(layer_idx, k, v) (rollout engine)
+    kv_cache: Any = None                    # object with .attend(layer_idx, q, k, v) (rollout engine)
     cu_seqlens: torch.Tensor | None = None  # [N+1] int32, packed mode when set
     max_seqlen: int = 0                     # longest packed sample
 
@@ -71,15 +71,14 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if ctx.kv_cache is not None:
+            out = ctx.kv_cache.attend(self.layer_idx, q, k, v)
+            return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
         if ctx.cu_seqlens is not None:   # packed: b == 1
             out = packed_attention(q[0], k[0], v[0], ctx.cu_seqlens, ctx.max_seqlen)
             return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # [B, H, T, D]
         mask = ctx.mask
-        if ctx.kv_cache is not None:
-            k, v, mask = ctx.kv_cache.update(self.layer_idx, k, v)
-        # enable_gqa instead of repeating K/V heads: the repeat copied the whole cache every
-        # decode step (59% of decode GPU time on an H200 for Qwen3-0.6B shapes).
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
@@ -168,8 +167,7 @@ class Transformer(nn.Module):
         attention_mask [B, T] (1 real, 0 pad) masks pad keys; pad queries attend only
         to themselves (finite garbage, ignore them). position_ids default to
         arange(T), or cumsum(mask) - 1 clamped at 0 under a mask. With kv_cache the
-        cache supplies the mask (attention_mask then only sets default positions),
-        so pass position_ids on every call after the first.
+        cache does the attention (attention_mask is then ignored); pass position_ids.
         """
         b, t = input_ids.shape
         if position_ids is None:

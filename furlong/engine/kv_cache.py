@@ -1,0 +1,109 @@
+"""The paged KV cache and the two ways the model's attention layers use it.
+
+Layout: keys and values each [num_layers, num_pages, Hkv, page_size, D], one
+allocation for all layers (freed whole when the colocated trainer needs the
+memory). A token's slot is (page, offset); a sequence's pages are its block
+table. Page 0 is the scratch page padded rows write into (block_manager.py).
+
+The model calls `kv_cache.attend(layer_idx, q, k, v)` with roped q [B, T, Hq, D]
+and k, v [B, T, Hkv, D]; the context object writes k, v into the cache and
+returns the attention output [B, T, Hq, D]:
+
+  PrefillContext  B = 1, T packed new tokens of N sequences (cu_seqlens): each
+                  attends causally within its own segment (packed_attention,
+                  varlen on CUDA), and its k/v go to their slots. Prefill always
+                  starts a sequence at position 0 (new prompts, or a preempted
+                  sequence recomputed whole), so no cached prefix is read.
+  DecodeContext   T = 1 per row: the new k/v go to the row's slot, then the row
+                  attends over its first context_lens[b] cached tokens through
+                  its block table: the Triton kernel on CUDA (kernels.py, GQA
+                  without copying K/V, split over the KV length for small
+                  batches), an exact gather + SDPA reference elsewhere.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from furlong.models.attention import packed_attention
+
+
+class PagedKVCache:
+    def __init__(self, num_layers: int, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)
+        self.keys = torch.empty(shape, dtype=dtype, device=device)
+        self.values = torch.empty(shape, dtype=dtype, device=device)
+        self.page_size = page_size
+
+    @staticmethod
+    def bytes_per_page(num_layers: int, num_kv_heads: int, page_size: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * page_size * head_dim * dtype.itemsize
+
+    def write(self, layer: int, page: torch.Tensor, offset: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [N, Hkv, D] into slots (page[i], offset[i]), i < N."""
+        self.keys[layer][page, :, offset] = k
+        self.values[layer][page, :, offset] = v
+
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole pages (every layer): the forked samples' private last pages."""
+        if not src:
+            return
+        s = torch.tensor(src, device=self.keys.device)
+        d = torch.tensor(dst, device=self.keys.device)
+        self.keys[:, d] = self.keys[:, s]
+        self.values[:, d] = self.values[:, s]
+
+
+@dataclass
+class PrefillContext:
+    cache: PagedKVCache
+    page: torch.Tensor          # [T] int64, page of each packed token's slot
+    offset: torch.Tensor        # [T] int64, offset within that page
+    cu_seqlens: torch.Tensor    # [N+1] int32
+    max_seqlen: int
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.cache.write(layer, self.page, self.offset, k[0], v[0])
+        return packed_attention(q[0], k[0], v[0], self.cu_seqlens, self.max_seqlen)[None]
+
+
+@dataclass
+class DecodeContext:
+    cache: PagedKVCache
+    page: torch.Tensor          # [B] int64, slot of the new token
+    offset: torch.Tensor        # [B] int64
+    block_tables: torch.Tensor  # [B, max_pages] int32
+    context_lens: torch.Tensor  # [B] int32, cached tokens incl. the new one (0: padded row, output 0)
+    num_splits: int             # KV-length splits of the Triton kernel
+    use_triton: bool
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.cache.write(layer, self.page, self.offset, k[:, 0], v[:, 0])
+        keys, values = self.cache.keys[layer], self.cache.values[layer]
+        if self.use_triton:
+            from furlong.engine.kernels import paged_decode_attention
+            out = paged_decode_attention(q[:, 0], keys, values, self.block_tables, self.context_lens, self.num_splits)
+        else:
+            out = decode_attention_reference(q[:, 0], keys, values, self.block_tables, self.context_lens)
+        return out[:, None]
+
+
+def decode_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    """q [B, Hq, D]; keys/values [num_pages, Hkv, page, D] -> [B, Hq, D]. Row by row: gather the
+    row's pages, SDPA over its context (a padded row, context 0, gives zeros). Syncs (tolist): CPU
+    and tests only."""
+    page_size = keys.shape[2]
+    out = torch.zeros_like(q)
+    for b, length in enumerate(context_lens.tolist()):
+        if length == 0:
+            continue
+        pages = block_tables[b, :-(-length // page_size)].long()
+        k = keys[pages].transpose(0, 1).flatten(1, 2)[:, :length]     # [Hkv, L, D]
+        v = values[pages].transpose(0, 1).flatten(1, 2)[:, :length]
+        o = F.scaled_dot_product_attention(q[b][:, None], k, v, enable_gqa=q.shape[1] != k.shape[0])
+        out[b] = o[:, 0]
+    return out

@@ -1,0 +1,217 @@
+"""The model runner: owns the engine's GPU tensors (KV cache, decode buffers, CUDA graphs)
+and runs the two kinds of forward the scheduler plans.
+
+  prefill  one packed varlen forward over the new tokens of several sequences
+           (eager: its token count changes every time), writing their K/V into
+           the cache; logits only at each sequence's last position.
+  decode   a window of `window` steps over the running rows, each step one
+           token per row. A step reads its inputs from static buffers and, on
+           the GPU, advances them itself (sampled token -> next input,
+           position + 1), so the host only replays the step's CUDA graph
+           `window` times and reads the window's tokens back with ONE sync.
+           Graphs are captured per batch-size bucket (rows padded up to the
+           bucket; padded rows use the scratch page 0) and per sampler variant
+           (plain / top-k-top-p), lazily on first use, sharing one memory pool.
+On CPU the same step function runs eagerly with the reference attention and
+sampler, so CPU tests exercise the scheduling, paging and on-device state
+updates that the GPU runs.
+
+The model's weights are used in place: weight sync copies into the same
+parameter storage, so captured graphs stay valid. The KV cache is allocated
+per generation session and freed after it (the colocated trainer needs the
+memory); graphs point into the cache, so they are dropped with it.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from furlong.engine.kv_cache import DecodeContext, PagedKVCache, PrefillContext
+from furlong.engine.sampling import SamplingRows, row_thresholds, sample_reference
+from furlong.engine.scheduler import PrefillItem
+from furlong.engine.sequence import Sequence
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512,
+                 640, 768, 896, 1024)
+INT_ROWS = ("input_ids", "positions", "seed32", "top_k", "greedy")   # rows of the int64 decode buffer
+FLOAT_ROWS = ("inv_temperature", "top_p")                          # rows of the float32 decode buffer
+
+
+@dataclass
+class StepOutput:
+    tokens: list[list[int]]          # [B][window] sampled tokens
+    log_probs: list[list[float]]     # [B][window]
+
+
+def sampling_rows_host(seqs: list[Sequence], vocab_size: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Per-row sampling inputs as host lists, in INT_ROWS / FLOAT_ROWS order (minus ids/positions)."""
+    seeds, top_k, greedy, inv_t, top_p = [], [], [], [], []
+    for s in seqs:
+        p = s.params
+        seeds.append(s.seed32)
+        top_k.append(p.top_k if p.top_k > 0 else vocab_size)
+        greedy.append(int(p.temperature == 0))
+        inv_t.append(1.0 / p.temperature if p.temperature > 0 else 1.0)
+        top_p.append(p.top_p)
+    return [seeds, top_k, greedy], [inv_t, top_p]
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, page_size: int, max_num_seqs: int, use_cuda_graphs: bool):
+        self.model = model
+        self.args = model.args
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.page_size = page_size
+        self.on_gpu = self.device.type == "cuda"
+        self.use_cuda_graphs = use_cuda_graphs and self.on_gpu
+        self.buckets = [b for b in BATCH_BUCKETS if b < max_num_seqs] + [max_num_seqs]
+        self.cache: PagedKVCache | None = None
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.on_gpu else 1
+
+    # ---- session -------------------------------------------------------------------------------
+    def page_bytes(self) -> int:
+        a = self.args
+        return PagedKVCache.bytes_per_page(a.num_layers, a.num_kv_heads, self.page_size, a.head_dim, self.dtype)
+
+    def allocate(self, num_pages: int, max_pages_per_seq: int) -> None:
+        a, dev, rows = self.args, self.device, self.buckets[-1]
+        self.cache = PagedKVCache(a.num_layers, num_pages, a.num_kv_heads, self.page_size, a.head_dim, self.dtype, dev)
+        self.cache.keys[:, 0].zero_()     # the scratch page: padded rows read it, keep it finite
+        self.cache.values[:, 0].zero_()
+        self.ints = torch.zeros(len(INT_ROWS), rows, dtype=torch.int64, device=dev)       # see INT_ROWS
+        self.floats = torch.ones(len(FLOAT_ROWS), rows, dtype=torch.float32, device=dev)  # see FLOAT_ROWS
+        self.block_tables = torch.zeros(rows, max_pages_per_seq, dtype=torch.int32, device=dev)
+        self.no_threshold = torch.full((rows,), float("-inf"), device=dev)
+        self.out_tokens = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.out_log_probs = torch.zeros(rows, dtype=torch.float32, device=dev)
+
+    def release(self) -> None:
+        self.graphs.clear()
+        self.pool = None
+        self.cache = None
+        self.ints = self.floats = self.block_tables = None
+        if self.on_gpu:
+            torch.cuda.empty_cache()
+
+    # ---- sampling ------------------------------------------------------------------------------
+    def sample(self, logits: torch.Tensor, rows: SamplingRows, truncate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.on_gpu:
+            return sample_reference(logits, rows, truncate)
+        from furlong.engine.kernels import sample_tokens
+        if truncate:
+            thr = row_thresholds(logits.float() * rows.inv_temperature[:, None], rows.top_k, rows.top_p)
+            thr = torch.where(rows.greedy, float("-inf"), thr)
+        else:
+            thr = self.no_threshold[:logits.shape[0]]
+        return sample_tokens(logits, rows.inv_temperature, rows.greedy, thr, rows.seed32, rows.positions)
+
+    # ---- prefill -------------------------------------------------------------------------------
+    def prefill(self, items: list[PrefillItem]) -> torch.Tensor:
+        """Packed forward over each item's token_ids (slots from its first sequence's block table).
+        Returns the last position's logits per item, [N, V]."""
+        ids, pos, pages, offs, cu = [], [], [], [], [0]
+        ps = self.page_size
+        for item in items:
+            table = item.sequences[0].block_table
+            n = len(item.token_ids)
+            ids.extend(item.token_ids)
+            pos.extend(range(n))
+            pages.extend(table[i // ps] for i in range(n))
+            offs.extend(i % ps for i in range(n))
+            cu.append(cu[-1] + n)
+        dev = self.device
+        as_t = lambda x, dt=torch.int64: torch.tensor(x, dtype=dt).to(dev, non_blocking=True)
+        ctx = PrefillContext(self.cache, as_t(pages), as_t(offs), as_t(cu, torch.int32),
+                             max(b - a for a, b in zip(cu[:-1], cu[1:])))
+        hidden = self.model.hidden_states(as_t(ids)[None], as_t(pos)[None], kv_cache=ctx)[0]   # [T, H]
+        last = as_t(cu[1:]) - 1
+        return F.linear(hidden[last], self.model.output_weight)
+
+    def sample_first(self, logits: torch.Tensor, items: list[PrefillItem]) -> StepOutput:
+        """The first new token of every sequence of every item (an item's n samples share its logits)."""
+        seqs = [s for item in items for s in item.sequences]
+        reps = torch.tensor([len(item.sequences) for item in items], device=self.device)
+        logits = logits.repeat_interleave(reps, dim=0, output_size=len(seqs))   # output_size: no sync
+        ints, floats = sampling_rows_host(seqs, self.args.vocab_size)
+        positions = [len(item.token_ids) for item in items for _ in item.sequences]
+        rows = self._rows(torch.tensor(ints, device=self.device), torch.tensor(floats, device=self.device),
+                          torch.tensor(positions, device=self.device))
+        tok, lp = self.sample(logits, rows, truncate=any(s.params.truncates for s in seqs))
+        return StepOutput([[t] for t in tok.tolist()], [[x] for x in lp.tolist()])   # one sync
+
+    @staticmethod
+    def _rows(ints: torch.Tensor, floats: torch.Tensor, positions: torch.Tensor) -> SamplingRows:
+        """ints rows: seed32, top_k, greedy; floats rows: inv_temperature, top_p."""
+        return SamplingRows(inv_temperature=floats[0], greedy=ints[2] != 0, top_k=ints[1], top_p=floats[1],
+                            seed32=ints[0], positions=positions)
+
+    # ---- decode --------------------------------------------------------------------------------
+    def num_splits(self, rows: int) -> int:
+        """KV-length splits: enough (row, kv head, split) programs for ~4 per multiprocessor."""
+        if not self.on_gpu:
+            return 1
+        want = -(-4 * self.num_sms // (rows * self.args.num_kv_heads))
+        return max(1, min(16, 1 << (want - 1).bit_length()))
+
+    def _step(self, rows: int, truncate: bool) -> None:
+        """One decode step over the first `rows` buffer rows, state advanced in place (graph-safe)."""
+        ids, pos = self.ints[0, :rows], self.ints[1, :rows]
+        tables = self.block_tables[:rows]
+        page = tables.gather(1, (pos // self.page_size)[:, None]).squeeze(1).long()
+        ctx = DecodeContext(self.cache, page, pos % self.page_size, tables, (pos + 1).to(torch.int32),
+                            self.num_splits(rows), self.on_gpu)
+        hidden = self.model.hidden_states(ids[:, None], pos[:, None], kv_cache=ctx)[:, 0]
+        logits = F.linear(hidden, self.model.output_weight)
+        rows_in = self._rows(self.ints[2:, :rows], self.floats[:, :rows], pos + 1)
+        tok, lp = self.sample(logits, rows_in, truncate)
+        self.out_tokens[:rows].copy_(tok)
+        self.out_log_probs[:rows].copy_(lp)
+        ids.copy_(tok)
+        pos.add_(1)
+
+    def _capture(self, rows: int, truncate: bool) -> None:
+        self.ints[:, :rows].zero_()            # padded-row state: position 0, scratch page 0
+        self.block_tables[:rows].zero_()
+        self._step(rows, truncate)             # warm-up: compiles the Triton kernels
+        torch.cuda.synchronize(self.device)
+        self.ints[:, :rows].zero_()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._step(rows, truncate)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[(rows, truncate)] = graph
+
+    def decode(self, seqs: list[Sequence], window: int) -> StepOutput:
+        num = len(seqs)
+        rows = self.buckets[bisect.bisect_left(self.buckets, num)] if self.use_cuda_graphs else num
+        truncate = any(s.params.truncates for s in seqs)
+        if self.use_cuda_graphs and (rows, truncate) not in self.graphs:
+            self._capture(rows, truncate)
+        pad = rows - num
+        ints, floats = sampling_rows_host(seqs, self.args.vocab_size)
+        host_ints = [[s.token_ids[-1] for s in seqs], [s.num_tokens - 1 for s in seqs]] + ints
+        host_ints = [r + [0] * pad for r in host_ints]
+        host_floats = [r + [1.0] * pad for r in floats]
+        width = self.block_tables.shape[1]
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs] + [[0] * width] * pad
+        self.ints[:, :rows].copy_(torch.tensor(host_ints, dtype=torch.int64))
+        self.floats[:, :rows].copy_(torch.tensor(host_floats, dtype=torch.float32))
+        self.block_tables[:rows].copy_(torch.tensor(tables, dtype=torch.int32))
+        toks = torch.empty(window, rows, dtype=torch.int64, device=self.device)
+        lps = torch.empty(window, rows, dtype=torch.float32, device=self.device)
+        for i in range(window):
+            if self.use_cuda_graphs:
+                self.graphs[(rows, truncate)].replay()
+            else:
+                self._step(rows, truncate)
+            toks[i].copy_(self.out_tokens[:rows])
+            lps[i].copy_(self.out_log_probs[:rows])
+        # The window's one host sync: the scheduler needs the tokens to find finished rows.
+        return StepOutput(toks[:, :num].T.tolist(), lps[:, :num].T.tolist())

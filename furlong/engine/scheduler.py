@@ -1,0 +1,169 @@
+"""Continuous batching: which sequences run the next engine step.
+
+Plain Python over the BlockManager; no tensors. Each `schedule()` returns one
+of two plans:
+
+  Prefill  waiting work admitted in FIFO order while it fits: a new request
+           (its prompt prefilled once, then forked into n samples) or a
+           preempted sequence (its whole token list re-prefilled). Admission
+           needs pages for the prompt, the copied last pages of the fork, and
+           one decode window of head-room per sample, plus a free running slot
+           per sample (`max_num_seqs`, the largest decode batch) and room in
+           the prefill token budget. To keep prefills from stalling decode for
+           a few rows at a time, work is admitted while others run only once at
+           least `min_admit` samples fit (or all that wait do).
+  Decode   every running sequence advances one window of `window` tokens. Pages
+           for the window are taken up front (the GPU writes them without asking
+           the host); when pages run out, the most recently admitted sequence
+           is preempted: its pages are freed and it waits at the head of the
+           queue to be re-prefilled (recompute, as vLLM's default).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from furlong.engine.block_manager import BlockManager, pages_for
+from furlong.engine.sequence import Request, Sequence, Status, new_sequences
+
+
+@dataclass
+class PrefillItem:
+    sequences: list[Sequence]    # [n] forks of one prompt, or one resumed sequence
+    token_ids: list[int]         # tokens to prefill (prompt, or a resumed sequence's tokens)
+
+
+@dataclass
+class Plan:
+    prefill: list[PrefillItem]   # non-empty: a prefill step
+    decode: list[Sequence]       # non-empty: a decode window over these rows
+    window: int                  # decode steps in this window
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_prefill_tokens: int, window: int,
+                 max_model_len: int, min_admit: int = 1):
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_prefill_tokens = max_prefill_tokens
+        self.window = window
+        self.max_model_len = max_model_len
+        self.min_admit = min_admit
+        self.waiting: deque[Request | Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        if request.sample_max_new_tokens is not None and len(request.sample_max_new_tokens) != request.n:
+            raise ValueError(f"request {request.request_id}: sample_max_new_tokens needs n={request.n} entries")
+        need = len(request.prompt_ids) + max(request.sample_max_new_tokens or [request.params.max_new_tokens])
+        if need > self.max_model_len:
+            raise ValueError(f"request {request.request_id}: prompt {len(request.prompt_ids)} + max_new_tokens "
+                             f"{request.params.max_new_tokens} exceeds the engine's max length {self.max_model_len}")
+        if self._pages_needed(request) > self.blocks.num_blocks - 1:
+            raise ValueError(f"request {request.request_id}: needs {self._pages_needed(request)} KV pages, the cache "
+                             f"has {self.blocks.num_blocks - 1} (raise --rollout-kv-fraction)")
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _unit(self, item: Request | Sequence) -> tuple[int, int]:
+        """(samples, prefill tokens) of a waiting item."""
+        if isinstance(item, Request):
+            return item.n, len(item.prompt_ids)
+        return 1, item.num_tokens
+
+    def _pages_needed(self, item: Request | Sequence) -> int:
+        num, tokens = self._unit(item)
+        fork = self.blocks.fork_cost(tokens, num) if isinstance(item, Request) else 0
+        return pages_for(tokens, self.blocks.block_size) + fork + num * pages_for(self.window + 1, self.blocks.block_size)
+
+    def _admit(self) -> list[PrefillItem]:
+        free_pages, free_rows = self.blocks.num_free, self.max_num_seqs - len(self.running)
+        budget = self.max_prefill_tokens
+        picked: list[Request | Sequence] = []
+        rows = 0
+        for item in self.waiting:
+            num, tokens = self._unit(item)
+            pages = self._pages_needed(item)
+            if num > free_rows or pages > free_pages or (picked and tokens > budget):
+                break
+            picked.append(item)
+            free_rows, free_pages, budget, rows = free_rows - num, free_pages - pages, budget - tokens, rows + num
+        if self.running and rows < min(self.min_admit, sum(self._unit(i)[0] for i in self.waiting)):
+            return []
+        out = []
+        for item in picked:
+            self.waiting.popleft()
+            if isinstance(item, Request):
+                seqs = new_sequences(item)
+                self.blocks.grow(seqs[0].block_table, len(item.prompt_ids))
+                out.append(PrefillItem(sequences=seqs, token_ids=list(item.prompt_ids)))
+            else:
+                self.blocks.grow(item.block_table, item.num_tokens)
+                out.append(PrefillItem(sequences=[item], token_ids=list(item.token_ids)))
+        return out
+
+    def schedule(self) -> Plan | None:
+        if self.waiting:
+            items = self._admit()
+            if items:
+                return Plan(prefill=items, decode=[], window=0)
+            if not self.running:
+                raise RuntimeError("scheduler: nothing runs and the first waiting request does not fit")
+        if not self.running:
+            return None
+        remaining = max(s.max_new_tokens - s.num_generated for s in self.running)
+        window = max(1, min(self.window, remaining))
+        # Pages for the window: writes land at positions num_tokens-1 .. num_tokens-2+window.
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            if self.blocks.can_grow(seq.block_table, seq.num_tokens - 1 + window):
+                self.blocks.grow(seq.block_table, seq.num_tokens - 1 + window)
+                i += 1
+                continue
+            victim = self.running[-1]
+            if victim is seq and i == 0:
+                raise RuntimeError(f"scheduler: one sequence ({seq.num_tokens} tokens) does not fit the KV cache")
+            self.preempt(victim)
+        return Plan(prefill=[], decode=list(self.running), window=window)
+
+    def start(self, seqs: list[Sequence]) -> None:
+        """Prefilled sequences join the running set."""
+        for s in seqs:
+            s.status = Status.RUNNING
+            self.running.append(s)
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq.block_table)
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        self.blocks.release(seq.block_table)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+
+    def abort(self, request_ids: set[int]) -> list[Sequence]:
+        """Drop every waiting or running sequence of these requests; returns the running ones aborted."""
+        aborted = [s for s in self.running if s.request.request_id in request_ids]
+        for s in aborted:
+            self.finish(s, "abort")
+        kept: deque[Request | Sequence] = deque()
+        for item in self.waiting:
+            rid = item.request_id if isinstance(item, Request) else item.request.request_id
+            if rid in request_ids:
+                if isinstance(item, Sequence):
+                    item.status, item.finish_reason = Status.FINISHED, "abort"
+                    aborted.append(item)
+            else:
+                kept.append(item)
+        self.waiting = kept
+        return aborted

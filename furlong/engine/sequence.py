@@ -1,0 +1,88 @@
+"""Requests in, completions out, and the per-sequence state the scheduler moves around.
+
+A `Request` is one prompt with its own SamplingParams (and so its own
+max_new_tokens) and `n` samples. The engine prefills the prompt once and forks
+it into n `Sequence`s that share the prompt's full KV blocks. A sequence's
+tokens are `token_ids` = prompt + generated so far; the KV of every token but
+the last is in the cache while it runs (the last one is the next decode input).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from furlong.engine.sampling import SamplingParams, fold_seed
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"     # not in the cache: needs a prefill (new, or preempted)
+    RUNNING = "running"     # in the cache, decoding
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt_ids: list[int]            # [P]
+    params: SamplingParams
+    n: int = 1                       # samples; they share the prompt's KV
+    seed: int = 0                    # sample j draws with seed derived from (seed, j)
+    sample_max_new_tokens: list[int] | None = None   # [n] per-sample override (forced-length benches)
+
+
+@dataclass
+class Completion:
+    """One finished sample of a request."""
+    request_id: int
+    index: int                       # sample index within the request, 0..n-1
+    token_ids: list[int]             # [R] response tokens, including the final EOS/stop token if any
+    log_probs: list[float]           # [R] log-prob of each token (sampling temperature, full vocab)
+    text: str                        # decoded response, special tokens kept, cut after a stop string
+    finish_reason: str               # "stop" | "length" | "abort"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: Request
+    index: int                               # sample index within the request
+    token_ids: list[int]                     # [P + R] prompt then generated tokens
+    num_prompt_tokens: int                   # P
+    seed32: int                              # folded per-sample seed of the counter-based noise
+    log_probs: list[float] = field(default_factory=list)   # [R]
+    block_table: list[int] = field(default_factory=list)   # KV pages, in order
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    stopped_by_string: bool = False          # its text is cut after the stop string
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def max_new_tokens(self) -> int:
+        own = self.request.sample_max_new_tokens
+        return self.request.params.max_new_tokens if own is None else own[self.index]
+
+    @property
+    def response_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+def sample_seed32(request_seed: int, index: int) -> int:
+    """Per-sample 32-bit noise seed; distinct samples of one request draw independent noise."""
+    return fold_seed((request_seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1))
+
+
+def new_sequences(request: Request) -> list[Sequence]:
+    return [Sequence(request=request, index=j, token_ids=list(request.prompt_ids),
+                     num_prompt_tokens=len(request.prompt_ids), seed32=sample_seed32(request.seed, j))
+            for j in range(request.n)]
