@@ -57,6 +57,9 @@ class RolloutConfig:
     rollout_num_gpus: int | None = flag(None, "GPUs for rollout (the built-in engine is colocated: the actor's)")
     rollout_kv_fraction: float = flag(0.8, "fraction of free GPU memory the engine's KV cache may take",
                                       aliases=["--sglang-mem-fraction-static"])
+    rollout_max_num_seqs: int = flag(512, "engine: most sequences decoded together (largest CUDA-graph batch)")
+    rollout_decode_window: int = flag(8, "engine: decode steps between host syncs (finished rows leave then)")
+    rollout_enforce_eager: bool = flag(False, "engine: no CUDA graphs (debugging)")
     sglang_decode_log_interval: int | None = flag(None, "SGLang only", sglang=True)
     sglang_enable_metrics: bool = flag(False, "SGLang only", sglang=True)
 
@@ -250,6 +253,8 @@ def validate(cfg: Config, command: str = "train") -> None:
     _need(r.rollout_num_gpus is None or r.rollout_num_gpus == num_gpus, "--rollout-num-gpus",
           f"the built-in engine is colocated: it runs on the actor's {num_gpus} GPU(s)")
     _need(0 < r.rollout_kv_fraction < 1, "--rollout-kv-fraction", "must be in (0, 1)")
+    _need(r.rollout_max_num_seqs >= 1, "--rollout-max-num-seqs", "must be >= 1")
+    _need(1 <= r.rollout_decode_window <= 64, "--rollout-decode-window", "must be in [1, 64]")
     _need(len(e.eval_prompt_data) % 2 == 0, "--eval-prompt-data", "expects pairs: name path [name path ...]")
     _need(e.eval_interval is None or e.eval_interval >= 1, "--eval-interval", "must be >= 1")
     _need(e.n_samples_per_eval_prompt >= 1, "--n-samples-per-eval-prompt", "must be >= 1")

@@ -102,9 +102,7 @@ def run_rl(cfg: Config, ctx) -> int:
 
     for rollout_id in range(parts.start_rollout, num_rollout):
         t_step = time.perf_counter()
-        batch = parts.rollout(rollout_id)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()   # colocated: hand the engine's KV-cache memory to the trainer
+        batch = parts.rollout(rollout_id)   # frees the engine's KV cache for the trainer (colocated)
 
         samples = to_train_samples(batch.groups, cfg)
         t = time.perf_counter()

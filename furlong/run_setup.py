@@ -78,9 +78,6 @@ def write_eval_samples(output_dir: Path, name: str, rollout_id: int, samples: li
     os.replace(tmp, path)
 
 
-MAX_ENGINE_BATCH = 1024   # rows per decode step; beyond this a step is compute-bound anyway
-
-
 @dataclass
 class RunParts:
     cfg: Config
@@ -89,7 +86,7 @@ class RunParts:
     logger: MetricsLogger
     dataset: Any                               # PromptDataset
     eval_sets: list[tuple[str, list[Prompt]]]
-    generator: Any                             # rollout Generator (its own model copy)
+    engine: Any                                # furlong.engine.Engine (its own model copy)
     reward_fn: Callable[[Sample], float]
     filter_fn: Callable | None
     actor: Any | None                          # train.actor.Actor (None for eval only)
@@ -99,25 +96,14 @@ class RunParts:
     engine_dtype: torch.dtype
     max_prompt_len: int                        # longest prompt of the training and eval sets (tokens)
 
-    def size_engine(self, num_sequences: int, max_new_tokens: int) -> None:
-        """Rows decoded together: all of them, unless the KV cache would pass
-        --rollout-kv-fraction of the GPU memory free right now (the trainer's state stays
-        resident while the colocated engine runs)."""
-        n = max(1, min(num_sequences, MAX_ENGINE_BATCH))
-        if self.ctx.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.ctx.device)
-            a = self.model_args
-            bytes_per_row = (2 * a.num_layers * a.num_kv_heads * a.head_dim * self.engine_dtype.itemsize
-                             * (self.max_prompt_len + max_new_tokens))
-            n = max(1, min(n, int(self.cfg.rollout.rollout_kv_fraction * free) // bytes_per_row))
-        self.generator.max_batch_size = n
-
     def rollout(self, rollout_id: int):
+        """One rollout; the engine's KV cache is freed after it (colocated: the trainer needs it)."""
         from furlong.rollout.rollout import RolloutSpec, generate_rollout
-        self.size_engine(self.cfg.over_sampling_batch_size * self.cfg.rollout.n_samples_per_prompt,
-                         self.cfg.rollout.rollout_max_response_len)
-        return generate_rollout(self.dataset, self.generator, self.reward_fn, self.filter_fn,
-                                RolloutSpec.from_config(self.cfg), self.rank_info(), rollout_id)
+        try:
+            return generate_rollout(self.dataset, self.engine, self.reward_fn, self.filter_fn,
+                                    RolloutSpec.from_config(self.cfg), self.rank_info(), rollout_id)
+        finally:
+            self.engine.release()
 
     def rank_info(self):
         from furlong.rollout.rollout import RankInfo
@@ -125,15 +111,17 @@ class RunParts:
 
     def run_eval(self, name: str, prompts: list[Prompt]):
         from furlong.rollout.eval import run_eval
-        from furlong.rollout.sampling import SamplingParams
+        from furlong.engine.sampling import SamplingParams
         params = SamplingParams.for_eval(self.cfg, seed=self.cfg.data.rollout_seed)
-        self.size_engine(len(prompts) * self.cfg.eval.n_samples_per_eval_prompt, params.max_new_tokens)
-        return run_eval(name, prompts, self.generator, self.reward_fn, params,
-                        self.cfg.eval.n_samples_per_eval_prompt, self.rank_info())
+        try:
+            return run_eval(name, prompts, self.engine, self.reward_fn, params,
+                            self.cfg.eval.n_samples_per_eval_prompt, self.rank_info())
+        finally:
+            self.engine.release()
 
     def sync_weights(self) -> None:
         from furlong.train.weight_sync import sync_weights
-        sync_weights(self.actor.model, self.generator.model, self.cfg.batch.update_weight_buffer_size)
+        sync_weights(self.actor.model, self.engine.model, self.cfg.batch.update_weight_buffer_size)
 
     def save(self, rollout_id: int) -> None:
         from furlong.train.checkpoint import save_checkpoint
@@ -153,7 +141,7 @@ def build_run(cfg: Config, ctx, with_actor: bool) -> RunParts:
     from furlong.models.hf_io import load_pretrained
     from furlong.rewards.registry import get_reward_fn
     from furlong.rollout.filters import load_filter
-    from furlong.rollout.generator import Generator
+    from furlong.engine import Engine, EngineConfig
 
     # 1. inputs (nothing written yet)
     ckpt = check_checkpoint_dir(cfg.data.hf_checkpoint)
@@ -189,8 +177,12 @@ def build_run(cfg: Config, ctx, with_actor: bool) -> RunParts:
     dtype = resolve_dtype(cfg, device)
     engine_model = load_pretrained(ckpt, dtype=dtype, device=device)
     num_params = sum(p.numel() for p in engine_model.parameters())
-    generator = Generator(engine_model, tokenizer, eos_token_ids(ckpt, tokenizer),
-                          max_batch_size=1, device=device)   # sized before each generation (size_engine)
+    r = cfg.rollout
+    max_prompt_len = max(len(p.token_ids) for p in prompt_pool)
+    engine = Engine(engine_model, tokenizer, eos_token_ids(ckpt, tokenizer), EngineConfig(
+        kv_fraction=r.rollout_kv_fraction, max_num_seqs=r.rollout_max_num_seqs,
+        decode_window=r.rollout_decode_window, max_model_len=max_prompt_len + max_resp,
+        use_cuda_graphs=not r.rollout_enforce_eager))
     actor = None
     if with_actor:
         from furlong.train.actor import Actor
@@ -221,9 +213,9 @@ def build_run(cfg: Config, ctx, with_actor: bool) -> RunParts:
                            wandb_settings=wandb)
 
     parts = RunParts(cfg=cfg, ctx=ctx, output_dir=out, logger=logger, dataset=dataset, eval_sets=eval_sets,
-                     generator=generator, reward_fn=reward_fn, filter_fn=filter_fn, actor=actor,
+                     engine=engine, reward_fn=reward_fn, filter_fn=filter_fn, actor=actor,
                      start_rollout=0, num_params=num_params, model_args=args, engine_dtype=dtype,
-                     max_prompt_len=max(len(p.token_ids) for p in prompt_pool))
+                     max_prompt_len=max_prompt_len)
     if cfg.ckpt.load is not None and actor is not None:
         from furlong.train.checkpoint import load_checkpoint
         state = load_checkpoint(cfg.ckpt.load, actor)

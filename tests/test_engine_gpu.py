@@ -122,3 +122,28 @@ def test_engine_vs_trainer_log_prob_gap_bf16():
     gap = torch.cat(gaps).mean().item()
     print(f"engine-vs-trainer mean |log-prob gap| (bf16): {gap:.5f}")
     assert gap <= 0.01
+
+
+@torch.inference_mode()
+def test_graphs_survive_release_and_a_resized_cache():
+    """release() unmaps the KV memory (the trainer gets it back); the next session maps another size at
+    the same address, so the graphs captured in the first session replay correctly in the second."""
+    from furlong.engine import Engine, EngineConfig, Request, SamplingParams
+    model = small_model(torch.float32)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in (17, 70, 5)]
+    eng = Engine(model, NullTok(), [], EngineConfig(max_model_len=300, max_num_seqs=8, kv_fraction=0.05))
+    run = lambda: eng.generate([Request(i, p, SamplingParams(temperature=0, max_new_tokens=50, ignore_eos=True),  # noqa: E731
+                                        n=2) for i, p in enumerate(prompts)])
+    first = run()
+    captured = dict(eng.runner.graphs)
+    assert captured and eng.runner.stable, "stable KV memory unavailable: cuda.bindings missing?"
+    free_before = torch.cuda.mem_get_info()[0]
+    eng.release()
+    assert torch.cuda.mem_get_info()[0] > free_before + (1 << 30)      # the memory really went back
+    hog = torch.empty(int(torch.cuda.mem_get_info()[0] * 0.5), dtype=torch.uint8, device="cuda")  # the trainer
+    second = run()                                                     # a smaller cache this session
+    assert eng.runner.graphs == captured                               # no graph was re-captured
+    assert [[c.token_ids for c in cs] for cs in second] == [[c.token_ids for c in cs] for cs in first]
+    del hog
+    eng.release()

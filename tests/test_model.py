@@ -138,43 +138,6 @@ def test_empty_packed_row(ckpts):
     assert out.shape == (0, model.args.hidden_size)
 
 
-class ConcatCache:
-    """Simplest KV cache: append along the sequence axis; causal mask offset by the past length."""
-
-    def __init__(self):
-        self.k: dict[int, torch.Tensor] = {}
-        self.v: dict[int, torch.Tensor] = {}
-
-    def update(self, layer_idx, k, v):
-        t = k.shape[2]
-        if layer_idx in self.k:
-            k = torch.cat([self.k[layer_idx], k], dim=2)
-            v = torch.cat([self.v[layer_idx], v], dim=2)
-        self.k[layer_idx], self.v[layer_idx] = k, v
-        s = k.shape[2]
-        if s == t:
-            return k, v, None
-        past = s - t
-        mask = torch.arange(s)[None, :] <= (past + torch.arange(t))[:, None]   # [T, S]
-        return k, v, mask[None, None]
-
-
-@pytest.mark.parametrize("cid", ["qwen3-tied", "qwen2-tied-sharded"])
-def test_incremental_decoding_equals_full_forward(ckpts, cid):
-    model = load_pretrained(ckpts[cid])
-    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        full = model(ids)
-        cache, steps, start = ConcatCache(), [6, 1, 2, 1, 1, 1], 0
-        pieces = []
-        for n in steps:
-            pos = torch.arange(start, start + n).expand(2, n)
-            pieces.append(model(ids[:, start:start + n], position_ids=pos, kv_cache=cache))
-            start += n
-    assert start == 12 and len(cache.k) == model.args.num_layers
-    assert (torch.cat(pieces, 1) - full).abs().max().item() <= 1e-5
-
-
 def test_left_padded_batch_equals_unpadded_rows(ckpts):
     model = load_pretrained(ckpts["llama-tied-bias-sharded"])
     g = torch.Generator().manual_seed(4)

@@ -2,18 +2,16 @@
 from __future__ import annotations
 
 import socket
-from collections import Counter
 
 import pytest
-import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 
 from furlong.rollout.eval import run_eval
 from furlong.rollout.filters import check_reward_nonzero_std, load_filter
-from furlong.rollout.generator import Generation
+from furlong.engine import Completion, EngineStats, Request
 from furlong.rollout.rollout import RankInfo, RolloutError, RolloutSpec, generate_rollout, rank_share
-from furlong.rollout.sampling import SamplingParams
+from furlong.engine.sampling import SamplingParams
 from furlong.types import Group, Prompt, Sample
 
 FILTER = "miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"
@@ -35,24 +33,71 @@ class FakeDataset:
         return out
 
 
-class FakeGenerator:
-    """Scripted engine: the k-th copy of a prompt within one call answers 'row:k'."""
+class FakeEngine:
+    """Scripted engine with the real one's interface: every `step` adds one token to every
+    running sample; the k-th sample of a prompt row answers "row:k" with 1 + (row + k) % max_len
+    tokens, so groups finish at different steps, as with real continuous batching."""
 
     def __init__(self, max_len: int = 4):
-        self.calls: list[tuple[list[int], int | None]] = []   # (prompt rows, seed) per call
         self.max_len = max_len
+        self.requests: list[tuple[int, int]] = []     # (prompt row, seed) per request added
+        self.running: dict[int, list[list]] = {}      # request id -> [[sample index, row, tokens so far]]
+        self.next_id = 0
+        self.aborted: list[int] = []
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        self.calls.append(([p[0] for p in prompts], params.seed))
-        seen: Counter[int] = Counter()
-        out = []
-        for p in prompts:
-            row, k = p[0], seen[p[0]]
-            seen[row] += 1
-            n = 1 + (row + k) % self.max_len            # response length 1..max_len
-            out.append(Generation(token_ids=[row] * n, log_probs=[-0.5] * n, text=f"{row}:{k}",
-                                  finish_reason="length" if n == self.max_len else "stop"))
+    def new_request_id(self) -> int:
+        self.next_id += 1
+        return self.next_id - 1
+
+    def add(self, req: Request) -> None:
+        self.requests.append((req.prompt_ids[0], req.seed))
+        self.running[req.request_id] = [[k, req.prompt_ids[0], 0] for k in range(req.n)]
+
+    def has_work(self) -> bool:
+        return bool(self.running)
+
+    def _length(self, row: int, k: int) -> int:
+        return 1 + (row + k) % self.max_len
+
+    def _completion(self, rid: int, k: int, row: int, num: int, reason: str) -> Completion:
+        return Completion(rid, k, [row] * num, [-0.5] * num, f"{row}:{k}", reason)
+
+    def step(self) -> list[Completion]:
+        done = []
+        for rid in list(self.running):
+            left = []
+            for k, row, num in self.running[rid]:
+                num += 1
+                if num == self._length(row, k):
+                    done.append(self._completion(rid, k, row, num, "length" if num == self.max_len else "stop"))
+                else:
+                    left.append([k, row, num])
+            if left:
+                self.running[rid] = left
+            else:
+                del self.running[rid]
+        return done
+
+    def abort(self, ids: set[int]) -> list[Completion]:
+        out = [self._completion(rid, k, row, num, "abort") for rid in ids if rid in self.running
+               for k, row, num in self.running.pop(rid)]
+        self.aborted.extend(ids)
         return out
+
+    def generate(self, reqs: list[Request]) -> list[list[Completion]]:
+        for r in reqs:
+            self.add(r)
+        got: dict[int, list[Completion]] = {r.request_id: [] for r in reqs}
+        while self.has_work():
+            for c in self.step():
+                got[c.request_id].append(c)
+        return [sorted(got[r.request_id], key=lambda c: c.index) for r in reqs]
+
+    def reset_stats(self) -> EngineStats:
+        return EngineStats()
+
+    def release(self) -> None:
+        pass
 
 
 def scripted_reward(sample: Sample) -> float:
@@ -88,41 +133,43 @@ def test_filter_registry():
     assert check_reward_nonzero_std(_group([0.5])) is False
 
 
-def test_over_sampling_keeps_exact_count_and_counts_drops():
-    # rounds of 5 prompts: rows 0-4 keep 1,3; rows 5-9 keep 5,7 then 9 is aborted; evens dropped
-    gen = FakeGenerator()
-    batch = generate_rollout(FakeDataset(20), gen, scripted_reward, load_filter(FILTER), spec(4, 5), None, 0)
-    assert [g.samples[0].prompt.row for g in batch.groups] == [1, 3, 5, 7]
-    assert [g.group_id for g in batch.groups] == [1, 3, 5, 7]
+def test_streaming_over_sampling_keeps_exact_count_and_counts_drops():
+    # Batches of 5 prompts, n=2, target 4. Group r finishes at step max_k(1 + (r+k) % 4) after it
+    # is submitted; even rows have zero reward std (dropped), odd rows pass.
+    # step 2: rows 0, 4 dropped; kept 0 + in flight 3 < 4, so rows 5-9 are submitted
+    # step 3: row 1 kept; step 4: row 2 dropped, 3 kept, 8 (started step 3, length 2) dropped;
+    # step 5: rows 5, 9 kept -> 4 kept; rows 6, 7 still running are aborted.
+    eng = FakeEngine()
+    batch = generate_rollout(FakeDataset(20), eng, scripted_reward, load_filter(FILTER), spec(4, 5), None, 0)
+    assert [g.samples[0].prompt.row for g in batch.groups] == [1, 3, 5, 9]
+    assert [g.group_id for g in batch.groups] == [1, 3, 5, 9]
     assert all([s.index for s in g.samples] == [0, 1] for g in batch.groups)
     m = batch.metrics
-    assert (m.num_dropped, m.num_aborted, m.num_generated_groups, m.num_rounds) == ({"zero_std": 5}, 1, 10, 2)
+    assert (m.num_dropped, m.num_aborted, m.num_generated_groups) == ({"zero_std": 4}, 2, 8)
+    assert [row for row, _ in eng.requests] == list(range(10)) and len(eng.aborted) == 2
     assert m.raw_reward == 0.5
     lens = [len(s.response_ids) for g in batch.groups for s in g.samples]
     assert m.response_len_mean == sum(lens) / 8 and m.response_len_max == max(lens)
     assert m.truncated_ratio == sum(n == 4 for n in lens) / 8
-    assert m.rollout_log_probs == -0.5 and m.num_tokens == sum(lens) + 8 * 3
-    assert m.as_log()["rollout/dynamic_filter/drop_zero_std"] == 5.0
-    # one generate call per round with every prompt repeated n times; a fresh seed per round
-    assert [rows for rows, _ in gen.calls] == [[r for r in range(0, 5) for _ in range(2)],
-                                              [r for r in range(5, 10) for _ in range(2)]]
-    assert len({seed for _, seed in gen.calls}) == 2
-    # a later rollout id samples with other seeds
-    gen2 = FakeGenerator()
-    generate_rollout(FakeDataset(20), gen2, scripted_reward, load_filter(FILTER), spec(4, 5), None, 1)
-    assert not {s for _, s in gen.calls} & {s for _, s in gen2.calls}
+    assert m.rollout_log_probs == -0.5
+    assert m.as_log()["rollout/dynamic_filter/drop_zero_std"] == 4.0
+    assert len({seed for _, seed in eng.requests}) == 10            # one seed per group
+    eng2 = FakeEngine()                                              # a later rollout samples with other seeds
+    generate_rollout(FakeDataset(20), eng2, scripted_reward, load_filter(FILTER), spec(4, 5), None, 1)
+    assert not {s for _, s in eng.requests} & {s for _, s in eng2.requests}
 
 
 def test_all_zero_rewards_raise_after_a_full_pass():
     ds = FakeDataset(6)
     with pytest.raises(RolloutError, match=r"kept 0/2 groups after a full pass over 8 prompts"):
-        generate_rollout(ds, FakeGenerator(), lambda s: 0.0, load_filter(FILTER), spec(2, 4), None, 0)
+        generate_rollout(ds, FakeEngine(), lambda s: 0.0, load_filter(FILTER), spec(2, 4), None, 0)
 
 
 def test_no_filter_may_cycle_a_small_dataset():
-    batch = generate_rollout(FakeDataset(3), FakeGenerator(), scripted_reward, None, spec(5, 2), None, 0)
-    assert [g.samples[0].prompt.row for g in batch.groups] == [0, 1, 2, 0, 1]
-    assert batch.metrics.num_aborted == 1 and batch.metrics.num_dropped == {}
+    # no filter: the small data set cycles; groups are kept in the order they finish
+    batch = generate_rollout(FakeDataset(3), FakeEngine(), scripted_reward, None, spec(5, 2), None, 0)
+    assert sorted(g.samples[0].prompt.row for g in batch.groups) == [0, 0, 1, 1, 2]
+    assert len(batch.groups) == 5 and batch.metrics.num_dropped == {}
 
 
 def test_rank_share_is_a_contiguous_partition():
@@ -133,7 +180,7 @@ def test_rank_share_is_a_contiguous_partition():
 
 def test_eval_mean_reward():
     prompts = FakeDataset(5).prompts
-    res = run_eval("toy", prompts, FakeGenerator(), scripted_reward, SamplingParams(seed=1), 3, None)
+    res = run_eval("toy", prompts, FakeEngine(), scripted_reward, SamplingParams(seed=1), 3, None)
     # odd rows 1 and 3 score 0+1+2 each; 15 samples
     assert (res.name, res.num_samples, res.score) == ("toy", 15, pytest.approx(6 / 15))
     assert [(s.prompt.row, s.index) for s in res.samples] == [(r, k) for r in range(5) for k in range(3)]
@@ -153,30 +200,28 @@ def _dp_worker(rank: int, world: int, port: int, results) -> None:
     torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         dist = RankInfo(rank, world)
-        gen = FakeGenerator()
-        batch = generate_rollout(FakeDataset(20), gen, scripted_reward, load_filter(FILTER), spec(4, 5), dist, 0)
-        ev = run_eval("toy", FakeDataset(5).prompts, gen, scripted_reward, SamplingParams(seed=1), 3, dist)
+        eng = FakeEngine()
+        batch = generate_rollout(FakeDataset(20), eng, scripted_reward, load_filter(FILTER), spec(4, 5), dist, 0)
+        rollout_requests = list(eng.requests)
+        ev = run_eval("toy", FakeDataset(5).prompts, eng, scripted_reward, SamplingParams(seed=1), 3, dist)
         results[rank] = (_summary(batch.groups), batch.metrics.num_dropped, batch.metrics.num_aborted,
-                         gen.calls, ev.score, [(s.prompt.row, s.index) for s in ev.samples])
+                         rollout_requests, ev.score, [(s.prompt.row, s.index) for s in ev.samples])
     finally:
         torch_dist.destroy_process_group()
 
 
 def test_data_parallel_rollout_two_ranks():
-    single_gen = FakeGenerator()
-    single = generate_rollout(FakeDataset(20), single_gen, scripted_reward, load_filter(FILTER), spec(4, 5), None, 0)
+    single_eng = FakeEngine()
+    single = generate_rollout(FakeDataset(20), single_eng, scripted_reward, load_filter(FILTER), spec(4, 5), None, 0)
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(_dp_worker, args=(2, _free_port(), results), nprocs=2, join=True)
         results = dict(results)
     r0, r1 = results[0], results[1]
     assert r0[0] == r1[0] == _summary(single.groups)
-    assert r0[1] == r1[1] == {"zero_std": 5} and r0[2] == r1[2] == 1
-    # rollout calls (the first two of each rank): the ranks' prompts together are the single run's
-    rollout_rows = lambda calls: sorted(r for rows, _ in calls[:2] for r in rows)
-    assert len(r0[3]) == len(r1[3]) == 3   # two rollout rounds + one eval call per rank
-    assert sorted(rollout_rows(r0[3]) + rollout_rows(r1[3])) == rollout_rows(single_gen.calls)
-    assert not set(rollout_rows(r0[3])) & set(rollout_rows(r1[3]))   # no prompt generated twice
-    assert {s for _, s in r0[3][:2]}.isdisjoint({s for _, s in r1[3][:2]})   # per-rank seeds
+    assert r0[1] == r1[1] == {"zero_std": 4} and r0[2] == r1[2] == 2
+    # the ranks' requests together are the single run's (same prompts, same seeds), none twice
+    assert sorted(r0[3] + r1[3]) == sorted(single_eng.requests)
+    assert not {row for row, _ in r0[3]} & {row for row, _ in r1[3]}
     assert r0[4] == r1[4] == pytest.approx(6 / 15)
     assert r0[5] == r1[5] == [(r, k) for r in range(5) for k in range(3)]

@@ -25,7 +25,7 @@ the free GPU memory (CPU: `cpu_kv_tokens`) and freed by `release`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,6 +46,7 @@ class EngineConfig:
     decode_window: int = 8            # decode steps per host sync
     max_model_len: int = 4096         # prompt + response tokens of any request
     use_cuda_graphs: bool = True
+    compile: bool | None = None       # torch.compile the layer blocks (None: on CUDA)
     cpu_kv_tokens: int = 1 << 16      # KV slots on CPU, where free memory is not measured
 
     def __post_init__(self) -> None:
@@ -84,7 +85,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.cfg = config
-        self.runner = ModelRunner(model, config.page_size, config.max_num_seqs, config.use_cuda_graphs)
+        on_gpu = next(model.parameters()).is_cuda
+        self.runner = ModelRunner(model, config.page_size, config.max_num_seqs, config.use_cuda_graphs,
+                                  compile=on_gpu if config.compile is None else config.compile)
         self.scheduler: Scheduler | None = None
         self.stats = EngineStats()
         self._next_id = 0
@@ -101,6 +104,7 @@ class Engine:
     def _start(self) -> None:
         cfg, runner = self.cfg, self.runner
         if runner.on_gpu:
+            torch.cuda.empty_cache()     # colocated: the trainer's cached blocks are the engine's to use now
             free, _ = torch.cuda.mem_get_info(runner.device)
             num_pages = int(cfg.kv_fraction * free) // runner.page_bytes()
         else:

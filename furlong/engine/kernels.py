@@ -156,7 +156,7 @@ def _sample_kernel(LOGITS, s_lb, INV_T, GREEDY, THR, SEED, POS, TOK, LP, V, BLOC
         mx = new_mx
         h = _mix32(key ^ (v.to(tl.uint32) * 0x9E3779B9))
         u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        score = tl.where(greedy, x, sc + tl.log(u))
+        score = tl.where(greedy, x, sc - tl.log(-tl.log(u)))      # log p - log E, E = -log u
         score = tl.where(vm & (sc >= thr), score, float("-inf"))
         tile_best, tile_idx = tl.max(score, 0, return_indices=True, return_indices_tie_break_left=True)
         better = tile_best > best

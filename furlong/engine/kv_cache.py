@@ -1,20 +1,22 @@
 """The paged KV cache and the two ways the model's attention layers use it.
 
-Layout: keys and values each [num_layers, num_pages, Hkv, page_size, D], one
-allocation for all layers (freed whole when the colocated trainer needs the
-memory). A token's slot is (page, offset); a sequence's pages are its block
-table. Page 0 is the scratch page padded rows write into (block_manager.py).
+Layout: keys and values each [num_pages, num_layers, Hkv, page_size, D]. Pages
+come first so that a layer's view (`keys[:, layer]`) starts at the same address
+whatever the number of pages: the cache can be re-mapped with another size
+under the same CUDA graphs (stable_memory.py). A token's slot is (page, offset);
+a sequence's pages are its block table. Page 0 is the scratch page padded rows
+write into (block_manager.py).
 
-The model calls `kv_cache.attend(layer_idx, q, k, v)` with roped q [B, T, Hq, D]
-and k, v [B, T, Hkv, D]; the context object writes k, v into the cache and
-returns the attention output [B, T, Hq, D]:
+The engine's forward (forward.py) calls `ctx.attend(layer, q, k, v)` with
+roped q [N, Hq, D] and k, v [N, Hkv, D], one row per token; the context
+writes k, v into the cache and returns the attention output [N, Hq, D]:
 
-  PrefillContext  B = 1, T packed new tokens of N sequences (cu_seqlens): each
+  PrefillContext  N packed new tokens of several sequences (cu_seqlens): each
                   attends causally within its own segment (packed_attention,
                   varlen on CUDA), and its k/v go to their slots. Prefill always
                   starts a sequence at position 0 (new prompts, or a preempted
                   sequence recomputed whole), so no cached prefix is read.
-  DecodeContext   T = 1 per row: the new k/v go to the row's slot, then the row
+  DecodeContext   one token per sequence: the new k/v go to the row's slot, then the row
                   attends over its first context_lens[b] cached tokens through
                   its block table: the Triton kernel on CUDA (kernels.py, GQA
                   without copying K/V, split over the KV length for small
@@ -31,21 +33,26 @@ from furlong.models.attention import packed_attention
 
 
 class PagedKVCache:
-    def __init__(self, num_layers: int, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
-        shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)
-        self.keys = torch.empty(shape, dtype=dtype, device=device)
-        self.values = torch.empty(shape, dtype=dtype, device=device)
-        self.page_size = page_size
+    """keys/values [P, L, Hkv, page_size, D] (P pages may exceed those backed by memory: only
+    the pages the block manager hands out are ever touched)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys, self.values = keys, values
+        self.page_size = keys.shape[3]
 
     @staticmethod
-    def bytes_per_page(num_layers: int, num_kv_heads: int, page_size: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * page_size * head_dim * dtype.itemsize
+    def page_shape(num_layers: int, num_kv_heads: int, page_size: int, head_dim: int) -> tuple[int, ...]:
+        return (num_layers, num_kv_heads, page_size, head_dim)
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's keys, values: [P, Hkv, page_size, D] strided views."""
+        return self.keys[:, layer], self.values[:, layer]
 
     def write(self, layer: int, page: torch.Tensor, offset: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [N, Hkv, D] into slots (page[i], offset[i]), i < N."""
-        self.keys[layer][page, :, offset] = k
-        self.values[layer][page, :, offset] = v
+        keys, values = self.layer(layer)
+        keys[page, :, offset] = k
+        values[page, :, offset] = v
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Copy whole pages (every layer): the forked samples' private last pages."""
@@ -53,8 +60,8 @@ class PagedKVCache:
             return
         s = torch.tensor(src, device=self.keys.device)
         d = torch.tensor(dst, device=self.keys.device)
-        self.keys[:, d] = self.keys[:, s]
-        self.values[:, d] = self.values[:, s]
+        self.keys[d] = self.keys[s]
+        self.values[d] = self.values[s]
 
 
 @dataclass
@@ -66,8 +73,8 @@ class PrefillContext:
     max_seqlen: int
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.cache.write(layer, self.page, self.offset, k[0], v[0])
-        return packed_attention(q[0], k[0], v[0], self.cu_seqlens, self.max_seqlen)[None]
+        self.cache.write(layer, self.page, self.offset, k, v)
+        return packed_attention(q, k, v, self.cu_seqlens, self.max_seqlen)
 
 
 @dataclass
@@ -81,14 +88,12 @@ class DecodeContext:
     use_triton: bool
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.cache.write(layer, self.page, self.offset, k[:, 0], v[:, 0])
-        keys, values = self.cache.keys[layer], self.cache.values[layer]
+        self.cache.write(layer, self.page, self.offset, k, v)
+        keys, values = self.cache.layer(layer)
         if self.use_triton:
             from furlong.engine.kernels import paged_decode_attention
-            out = paged_decode_attention(q[:, 0], keys, values, self.block_tables, self.context_lens, self.num_splits)
-        else:
-            out = decode_attention_reference(q[:, 0], keys, values, self.block_tables, self.context_lens)
-        return out[:, None]
+            return paged_decode_attention(q, keys, values, self.block_tables, self.context_lens, self.num_splits)
+        return decode_attention_reference(q, keys, values, self.block_tables, self.context_lens)
 
 
 def decode_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

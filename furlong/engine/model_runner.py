@@ -19,7 +19,11 @@ updates that the GPU runs.
 The model's weights are used in place: weight sync copies into the same
 parameter storage, so captured graphs stay valid. The KV cache is allocated
 per generation session and freed after it (the colocated trainer needs the
-memory); graphs point into the cache, so they are dropped with it.
+memory). On CUDA it lives in a StableBuffer (stable_memory.py): its physical
+memory is unmapped between sessions while its address stays, so the graphs,
+the small decode buffers and the graph pool are kept for the next session.
+Without the driver API the cache is a plain allocation and the graphs are
+dropped with it.
 """
 from __future__ import annotations
 
@@ -27,12 +31,13 @@ import bisect
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from furlong.engine.forward import EngineForward
 from furlong.engine.kv_cache import DecodeContext, PagedKVCache, PrefillContext
 from furlong.engine.sampling import SamplingRows, row_thresholds, sample_reference
 from furlong.engine.scheduler import PrefillItem
 from furlong.engine.sequence import Sequence
+from furlong.engine.stable_memory import stable_buffer
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512,
                  640, 768, 896, 1024)
@@ -60,8 +65,10 @@ def sampling_rows_host(seqs: list[Sequence], vocab_size: int) -> tuple[list[list
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, page_size: int, max_num_seqs: int, use_cuda_graphs: bool):
+    def __init__(self, model: torch.nn.Module, page_size: int, max_num_seqs: int, use_cuda_graphs: bool,
+                 compile: bool):
         self.model = model
+        self.forward = EngineForward(model, compile=compile)
         self.args = model.args
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -73,29 +80,60 @@ class ModelRunner:
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.on_gpu else 1
+        self.stable: tuple | None = None      # (keys, values) StableBuffers, reserved on first use
+        self.ints = None                      # decode buffers, made on first use (see allocate)
 
     # ---- session -------------------------------------------------------------------------------
-    def page_bytes(self) -> int:
+    def page_shape(self) -> tuple[int, ...]:
         a = self.args
-        return PagedKVCache.bytes_per_page(a.num_layers, a.num_kv_heads, self.page_size, a.head_dim, self.dtype)
+        return PagedKVCache.page_shape(a.num_layers, a.num_kv_heads, self.page_size, a.head_dim)
+
+    def page_bytes(self) -> int:
+        """Bytes of one page, keys and values."""
+        return 2 * self.dtype.itemsize * torch.Size(self.page_shape()).numel()
+
+    def _views(self, buf: torch.Tensor, num_pages: int) -> torch.Tensor:
+        return buf.view(self.dtype)[:num_pages * torch.Size(self.page_shape()).numel()].view(num_pages,
+                                                                                          *self.page_shape())
 
     def allocate(self, num_pages: int, max_pages_per_seq: int) -> None:
-        a, dev, rows = self.args, self.device, self.buckets[-1]
-        self.cache = PagedKVCache(a.num_layers, num_pages, a.num_kv_heads, self.page_size, a.head_dim, self.dtype, dev)
-        self.cache.keys[:, 0].zero_()     # the scratch page: padded rows read it, keep it finite
-        self.cache.values[:, 0].zero_()
-        self.ints = torch.zeros(len(INT_ROWS), rows, dtype=torch.int64, device=dev)       # see INT_ROWS
-        self.floats = torch.ones(len(FLOAT_ROWS), rows, dtype=torch.float32, device=dev)  # see FLOAT_ROWS
-        self.block_tables = torch.zeros(rows, max_pages_per_seq, dtype=torch.int32, device=dev)
-        self.no_threshold = torch.full((rows,), float("-inf"), device=dev)
-        self.out_tokens = torch.zeros(rows, dtype=torch.int64, device=dev)
-        self.out_log_probs = torch.zeros(rows, dtype=torch.float32, device=dev)
+        dev, rows = self.device, self.buckets[-1]
+        if self.on_gpu and self.stable is None:
+            total = torch.cuda.get_device_properties(dev).total_memory
+            k = stable_buffer(dev, total)
+            self.stable = (k, stable_buffer(dev, total)) if k is not None else ()
+        if self.stable:
+            half = num_pages * self.page_bytes() // 2
+            for buf in self.stable:
+                buf.map(half)
+            max_pages = self.stable[0].max_bytes // (self.page_bytes() // 2)
+            self.cache = PagedKVCache(*(self._views(buf.tensor, max_pages) for buf in self.stable))
+        else:
+            self.graphs.clear()
+            self.pool = None
+            shape = (num_pages, *self.page_shape())
+            self.cache = PagedKVCache(torch.empty(shape, dtype=self.dtype, device=dev),
+                                      torch.empty(shape, dtype=self.dtype, device=dev))
+        self.cache.keys[0].zero_()     # the scratch page: padded rows read it, keep it finite
+        self.cache.values[0].zero_()
+        if self.ints is None or self.block_tables.shape[1] != max_pages_per_seq:
+            self.graphs.clear()
+            self.ints = torch.zeros(len(INT_ROWS), rows, dtype=torch.int64, device=dev)       # see INT_ROWS
+            self.floats = torch.ones(len(FLOAT_ROWS), rows, dtype=torch.float32, device=dev)  # see FLOAT_ROWS
+            self.block_tables = torch.zeros(rows, max_pages_per_seq, dtype=torch.int32, device=dev)
+            self.no_threshold = torch.full((rows,), float("-inf"), device=dev)
+            self.out_tokens = torch.zeros(rows, dtype=torch.int64, device=dev)
+            self.out_log_probs = torch.zeros(rows, dtype=torch.float32, device=dev)
 
     def release(self) -> None:
-        self.graphs.clear()
-        self.pool = None
+        """Give the KV cache's memory back. Graphs survive when the cache is a StableBuffer."""
         self.cache = None
-        self.ints = self.floats = self.block_tables = None
+        if self.stable:
+            for buf in self.stable:
+                buf.unmap()
+        else:
+            self.graphs.clear()
+            self.pool = None
         if self.on_gpu:
             torch.cuda.empty_cache()
 
@@ -129,9 +167,8 @@ class ModelRunner:
         as_t = lambda x, dt=torch.int64: torch.tensor(x, dtype=dt).to(dev, non_blocking=True)
         ctx = PrefillContext(self.cache, as_t(pages), as_t(offs), as_t(cu, torch.int32),
                              max(b - a for a, b in zip(cu[:-1], cu[1:])))
-        hidden = self.model.hidden_states(as_t(ids)[None], as_t(pos)[None], kv_cache=ctx)[0]   # [T, H]
-        last = as_t(cu[1:]) - 1
-        return F.linear(hidden[last], self.model.output_weight)
+        hidden = self.forward.hidden(as_t(ids), as_t(pos), ctx.attend)                    # [T, H]
+        return self.forward.logits(hidden[as_t(cu[1:]) - 1])
 
     def sample_first(self, logits: torch.Tensor, items: list[PrefillItem]) -> StepOutput:
         """The first new token of every sequence of every item (an item's n samples share its logits)."""
@@ -166,8 +203,7 @@ class ModelRunner:
         page = tables.gather(1, (pos // self.page_size)[:, None]).squeeze(1).long()
         ctx = DecodeContext(self.cache, page, pos % self.page_size, tables, (pos + 1).to(torch.int32),
                             self.num_splits(rows), self.on_gpu)
-        hidden = self.model.hidden_states(ids[:, None], pos[:, None], kv_cache=ctx)[:, 0]
-        logits = F.linear(hidden, self.model.output_weight)
+        logits = self.forward.logits(self.forward.hidden(ids, pos, ctx.attend))
         rows_in = self._rows(self.ints[2:, :rows], self.floats[:, :rows], pos + 1)
         tok, lp = self.sample(logits, rows_in, truncate)
         self.out_tokens[:rows].copy_(tok)

@@ -135,7 +135,8 @@ def sample_reference(logits: torch.Tensor, rows: SamplingRows, truncate: bool
     logits = logits.float()
     scaled = logits * rows.inv_temperature[:, None]
     log_z = torch.logsumexp(scaled, dim=-1)                             # [B]
-    score = scaled + exponential_noise(row_keys(rows.seed32, rows.positions), logits.shape[-1]).neg()
+    # argmax p_v / E_v == argmax (log p_v - log E_v): the exponential race (Gumbel-max with G = -log E)
+    score = scaled - torch.log(exponential_noise(row_keys(rows.seed32, rows.positions), logits.shape[-1]))
     if truncate:
         thr = row_thresholds(scaled, rows.top_k, rows.top_p)
         score = score.masked_fill(scaled < thr[:, None], float("-inf"))

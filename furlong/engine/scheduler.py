@@ -52,10 +52,16 @@ class Scheduler:
         self.waiting: deque[Request | Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.active_ids: dict[int, int] = {}      # request id -> samples not yet finished
 
     def add(self, request: Request) -> None:
+        if request.request_id in self.active_ids:
+            raise ValueError(f"request id {request.request_id} is already in the engine")
         if request.sample_max_new_tokens is not None and len(request.sample_max_new_tokens) != request.n:
             raise ValueError(f"request {request.request_id}: sample_max_new_tokens needs n={request.n} entries")
+        if request.n > self.max_num_seqs:
+            raise ValueError(f"request {request.request_id}: n={request.n} samples exceed --rollout-max-num-seqs "
+                             f"{self.max_num_seqs}")
         need = len(request.prompt_ids) + max(request.sample_max_new_tokens or [request.params.max_new_tokens])
         if need > self.max_model_len:
             raise ValueError(f"request {request.request_id}: prompt {len(request.prompt_ids)} + max_new_tokens "
@@ -64,6 +70,7 @@ class Scheduler:
             raise ValueError(f"request {request.request_id}: needs {self._pages_needed(request)} KV pages, the cache "
                              f"has {self.blocks.num_blocks - 1} (raise --rollout-kv-fraction)")
         self.waiting.append(request)
+        self.active_ids[request.request_id] = request.n
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -150,6 +157,14 @@ class Scheduler:
         self.blocks.release(seq.block_table)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+        self._retire(seq.request.request_id)
+
+    def _retire(self, request_id: int, num: int = 1) -> None:
+        left = self.active_ids.get(request_id, 0) - num
+        if left > 0:
+            self.active_ids[request_id] = left
+        else:
+            self.active_ids.pop(request_id, None)
 
     def abort(self, request_ids: set[int]) -> list[Sequence]:
         """Drop every waiting or running sequence of these requests; returns the running ones aborted."""
@@ -163,6 +178,9 @@ class Scheduler:
                 if isinstance(item, Sequence):
                     item.status, item.finish_reason = Status.FINISHED, "abort"
                     aborted.append(item)
+                    self._retire(rid)
+                else:
+                    self._retire(rid, item.n)
             else:
                 kept.append(item)
         self.waiting = kept

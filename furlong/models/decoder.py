@@ -5,19 +5,17 @@ output projection (the embedding matrix when tied). Attention is GQA with RoPE
 (fp32, the checkpoint's theta), optional q/k/v/o biases and Qwen3's qk-norm.
 RMSNorm computes in fp32 and casts back before the weight, as transformers does.
 
-Three ways in, one layer stack:
-  forward / hidden_states  [B, T] rows, optional left/right padding mask, optional KV cache
+Two ways in, one layer stack:
+  forward / hidden_states  [B, T] rows, optional left/right padding mask
   forward_packed           one packed row of N samples (cu_seqlens), see attention.py
-Each DecoderLayer is self-contained (FSDP shards each one) and knows its
-layer_idx for the KV-cache protocol of the rollout engine: with a cache, the
-cache owns attention, `out = cache.attend(layer_idx, q, k, v)` with roped
-q [B, T, Hq, D], k/v [B, T, Hkv, D] and out [B, T, Hq, D] (engine/kv_cache.py).
+Each DecoderLayer is self-contained (FSDP shards each one). The rollout engine
+runs its own token-major forward over these modules' weights with a paged KV
+cache (engine/forward.py); tests hold the two to the same function.
 HF parameter names are mapped in hf_io.py, not here.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +31,6 @@ from furlong.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 class AttnInputs:
     """How the layers' attention should mix positions; exactly one mode is used."""
     mask: torch.Tensor | None = None        # [B, 1, T, T] bool, True = attend (None: causal)
-    kv_cache: Any = None                    # object with .attend(layer_idx, q, k, v) (rollout engine)
     cu_seqlens: torch.Tensor | None = None  # [N+1] int32, packed mode when set
     max_seqlen: int = 0                     # longest packed sample
 
@@ -71,9 +68,6 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if ctx.kv_cache is not None:
-            out = ctx.kv_cache.attend(self.layer_idx, q, k, v)
-            return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
         if ctx.cu_seqlens is not None:   # packed: b == 1
             out = packed_attention(q[0], k[0], v[0], ctx.cu_seqlens, ctx.max_seqlen)
             return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
@@ -161,13 +155,12 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                      attention_mask: torch.Tensor | None = None, kv_cache: Any = None) -> torch.Tensor:
+                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T] -> final-normed hidden [B, T, H].
 
         attention_mask [B, T] (1 real, 0 pad) masks pad keys; pad queries attend only
         to themselves (finite garbage, ignore them). position_ids default to
-        arange(T), or cumsum(mask) - 1 clamped at 0 under a mask. With kv_cache the
-        cache does the attention (attention_mask is then ignored); pass position_ids.
+        arange(T), or cumsum(mask) - 1 clamped at 0 under a mask.
         """
         b, t = input_ids.shape
         if position_ids is None:
@@ -176,17 +169,17 @@ class Transformer(nn.Module):
             else:
                 position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
         mask = None
-        if kv_cache is None and attention_mask is not None:
+        if attention_mask is not None:
             keep = attention_mask.bool()
             causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
             eye = torch.eye(t, dtype=torch.bool, device=input_ids.device)
             mask = ((causal & keep[:, None, :]) | eye)[:, None]   # [B, 1, T, T]
-        return self._run_layers(input_ids, position_ids, AttnInputs(mask=mask, kv_cache=kv_cache))
+        return self._run_layers(input_ids, position_ids, AttnInputs(mask=mask))
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, kv_cache: Any = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V] in the model dtype."""
-        hidden = self.hidden_states(input_ids, position_ids, attention_mask, kv_cache)
+        hidden = self.hidden_states(input_ids, position_ids, attention_mask)
         return F.linear(hidden, self.output_weight)
 
     def forward_packed(self, input_ids: torch.Tensor, position_ids: torch.Tensor,

@@ -1,18 +1,20 @@
-"""Evaluation on a fixed prompt set (DESIGN.md §6): `eval/<name>` = mean reward.
+"""Evaluation on a fixed prompt set (design §6): `eval/<name>` = mean reward.
 
-Every prompt gets `n_samples` responses. Data-parallel: rank r generates and
-rewards the r-th contiguous share of the prompts, then all ranks gather the
-samples, so each rank returns the same full result. Each rank samples with a
-seed derived from (params.seed, rank); params.seed None means unseeded.
+Every prompt gets `n_samples` responses (one engine request of n samples).
+Data-parallel: rank r generates and rewards the r-th contiguous share of the
+prompts, then all ranks gather the samples, so each rank returns the same full
+result. Request seeds derive from (params.seed, prompt index): the samples do
+not depend on the number of ranks. params.seed None means a fresh seed.
 """
 from __future__ import annotations
 
-import dataclasses
+import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from furlong.rollout.rollout import RankInfo, derive_seed, gather_lists, generate_groups, rank_share
-from furlong.rollout.sampling import SamplingParams
+from furlong.engine.sampling import SamplingParams
+from furlong.engine.sequence import Request
+from furlong.rollout.rollout import RankInfo, derive_seed, gather_lists, rank_share, reward_groups, to_group
 from furlong.types import Prompt, Sample
 
 
@@ -24,16 +26,20 @@ class EvalResult:
     samples: list[Sample]     # ordered by prompt, then sample index; group_id = prompt index
 
 
-def run_eval(name: str, prompts: list[Prompt], generator: Any, reward_fn: Callable[[Sample], Any],
+def run_eval(name: str, prompts: list[Prompt], engine: Any, reward_fn: Callable[[Sample], Any],
              params: SamplingParams, n_samples: int, dist: RankInfo | None) -> EvalResult:
     if n_samples < 1:
         raise ValueError(f"--n-samples-per-eval-prompt: must be >= 1, got {n_samples}")
     if not prompts:
         raise ValueError(f"--eval-prompt-data: eval set {name!r} has no prompts")
-    if params.seed is not None and dist is not None and dist.world_size > 1:
-        params = dataclasses.replace(params, seed=derive_seed(params.seed, dist.rank))
+    base = params.seed if params.seed is not None else random.getrandbits(63)
     mine = rank_share(len(prompts), dist)
-    groups = generate_groups(prompts[mine], mine.start, n_samples, generator, reward_fn, params)
+    ids = list(range(mine.start, mine.stop))
+    requests = [Request(request_id=engine.new_request_id(), prompt_ids=prompts[i].token_ids, params=params,
+                        n=n_samples, seed=derive_seed(base, i)) for i in ids]
+    outs = engine.generate(requests)
+    groups = [to_group(prompts[i], i, comps) for i, comps in zip(ids, outs)]
+    reward_groups(groups, reward_fn)
     groups = gather_lists(groups, dist)
     samples = [s for g in groups for s in g.samples]
     return EvalResult(name=name, score=sum(s.reward for s in samples) / len(samples),

@@ -1,41 +1,41 @@
-"""One rollout: prompt groups -> responses -> rewards -> dynamic filter (DESIGN.md §2 steps 1-2, §6).
+"""One rollout: prompt groups -> responses -> rewards -> dynamic filter (design §2 steps 1-2, §6).
 
-Over-sampling: each round draws `over_sampling_batch_size` prompts, generates
-`n_samples_per_prompt` responses per prompt (one Group per prompt), rewards
-them and runs the filter over the groups in draw order. Passing groups are kept
-until `rollout_batch_size` are kept; passing groups beyond that are aborted
-(counted, discarded); failing groups are dropped (counted per filter name).
-Rounds repeat until enough groups are kept. Rounds run one after the other:
-miles keeps requests in flight while filtering, the result is the same set of
-rules applied round by round.
+Streaming over-sampling, as miles does it: whenever the groups kept plus the
+groups in flight fall short of `rollout_batch_size`, the next
+`over_sampling_batch_size` prompts are drawn and submitted to the engine as one
+request each (n samples, prefilled once). As soon as all n samples of a group
+have finished, the group is rewarded and passed through the filter while
+generation goes on: passing groups are kept, failing ones dropped (counted per
+filter name). Once `rollout_batch_size` groups are kept, every request still in
+flight is aborted; those groups count as `num_aborted`.
 
 Bound: once the prompts drawn in this rollout reach max(len(dataset),
-rollout_batch_size) — a full pass, or enough prompts that an unfiltered run
-would be done — and still too few groups are kept, RolloutError is raised
-rather than looping forever (typically every group got the same reward).
+rollout_batch_size) and nothing is left in flight with too few groups kept,
+RolloutError is raised rather than looping forever (typically every group got
+the same reward).
 
 Data-parallel (`RankInfo`): every rank holds the same seeded dataset, so every
-rank draws the same prompts. Rank r generates and rewards the r-th contiguous
-share of each round's groups, then all ranks exchange finished groups with
-all_gather_object; concatenated in rank order they are the round's groups in
-draw order, so every rank filters identically and ends with the same kept list.
-Sampling seed per (rollout seed, rollout_id, round, rank).
+rank draws the same prompts; rank r submits the r-th contiguous share of each
+batch to its own engine. After each engine step all ranks exchange the groups
+that finished (all_gather_object, rank order), so every rank filters the same
+groups in the same order, keeps the same list, and aborts at the same point.
+Sampling seeds depend only on (rollout seed, rollout id, group id), so a group's
+samples do not depend on the number of ranks.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
 
+from furlong.engine.sampling import SamplingParams
+from furlong.engine.sequence import Completion, Request
 from furlong.rewards.registry import compute_rewards
 from furlong.rollout.filters import GroupFilter
-from furlong.rollout.generator import Generation
-from furlong.rollout.sampling import SamplingParams
 from furlong.types import Group, Prompt, Sample
 
 if TYPE_CHECKING:
@@ -56,8 +56,8 @@ class RankInfo:
 class RolloutSpec:
     rollout_batch_size: int          # groups kept per rollout
     n_samples_per_prompt: int        # samples per group
-    over_sampling_batch_size: int    # prompts drawn per round
-    sampling: SamplingParams         # its seed is ignored: each round derives its own
+    over_sampling_batch_size: int    # prompts drawn per submitted batch
+    sampling: SamplingParams         # its seed is ignored: each group derives its own
     seed: int                        # --rollout-seed
 
     @classmethod
@@ -71,20 +71,19 @@ class RolloutSpec:
 @dataclass
 class RolloutMetrics:
     num_dropped: dict[str, int]      # groups failing the filter, by filter name
-    num_aborted: int                 # passing groups beyond rollout_batch_size
-    num_generated_groups: int        # groups generated over all rounds and ranks
-    num_rounds: int
+    num_aborted: int                 # groups still in flight when enough were kept
+    num_generated_groups: int        # groups finished over all ranks (kept + dropped)
     raw_reward: float                # mean reward over kept samples
     response_len_mean: float         # tokens, kept samples
     response_len_max: int            # tokens, kept samples
     truncated_ratio: float           # kept samples that hit the max response length
     rollout_log_probs: float         # mean engine log-prob over kept response tokens
-    num_tokens: int                  # prompt + response tokens of kept samples
-    num_generated_tokens: int        # response tokens generated over all rounds and ranks
+    num_generated_tokens: int        # response tokens generated over all ranks (aborted ones too)
     seconds: float                   # wall clock of the whole rollout
+    engine: dict[str, float] = field(default_factory=dict)   # this rank's engine counters (perf/*)
 
     def as_log(self) -> dict[str, float]:
-        """miles metric names (DESIGN.md §7)."""
+        """miles metric names (design §7), plus the engine's perf counters."""
         out = {
             "rollout/raw_reward": self.raw_reward,
             "rollout/response_len/mean": self.response_len_mean,
@@ -95,6 +94,7 @@ class RolloutMetrics:
             "rollout/dynamic_filter/num_aborted": float(self.num_aborted),
             "perf/rollout_time": self.seconds,
             "perf/rollout_tok_per_s": self.num_generated_tokens / max(self.seconds, 1e-9),
+            **self.engine,
         }
         for name, count in self.num_dropped.items():
             out[f"rollout/dynamic_filter/drop_{name}"] = float(count)
@@ -103,7 +103,7 @@ class RolloutMetrics:
 
 @dataclass
 class RolloutBatch:
-    groups: list[Group]              # kept groups, in draw order
+    groups: list[Group]              # kept groups, in the order they passed the filter
     metrics: RolloutMetrics
 
     @property
@@ -134,75 +134,107 @@ def gather_lists(items: list[Any], dist: RankInfo | None) -> list[Any]:
     return [x for part in parts for x in part]
 
 
-def generate_groups(prompts: list[Prompt], first_group_id: int, n_samples: int, generator: Any,
-                    reward_fn: Callable[[Sample], Any], params: SamplingParams) -> list[Group]:
-    """n responses per prompt, rewarded; group ids count up from first_group_id."""
-    if not prompts:
-        return []
-    gens: list[Generation] = generator.generate([p.token_ids for p in prompts for _ in range(n_samples)], params)
-    groups = []
-    for i, prompt in enumerate(prompts):
-        samples = [Sample(prompt=prompt, group_id=first_group_id + i, index=j, response_ids=g.token_ids,
-                          response_text=g.text, rollout_log_probs=g.log_probs, finish_reason=g.finish_reason)
-                   for j, g in enumerate(gens[i * n_samples:(i + 1) * n_samples])]
-        groups.append(Group(group_id=first_group_id + i, samples=samples))
+def to_group(prompt: Prompt, group_id: int, completions: list[Completion]) -> Group:
+    samples = [Sample(prompt=prompt, group_id=group_id, index=c.index, response_ids=c.token_ids,
+                      response_text=c.text, rollout_log_probs=c.log_probs, finish_reason=c.finish_reason)
+               for c in sorted(completions, key=lambda c: c.index)]
+    return Group(group_id=group_id, samples=samples)
+
+
+def reward_groups(groups: list[Group], reward_fn: Callable[[Sample], Any]) -> None:
     samples = [s for g in groups for s in g.samples]
     for s, r in zip(samples, compute_rewards(reward_fn, samples)):
         s.reward = r
-    return groups
 
 
-def generate_rollout(dataset: Any, generator: Any, reward_fn: Callable[[Sample], Any],
-                     filter_fn: GroupFilter | None, rollout_cfg: RolloutSpec, dist: RankInfo | None,
+class _Submitted:
+    """This rank's requests in flight: request id -> (prompt, group id, finished completions)."""
+
+    def __init__(self) -> None:
+        self.requests: dict[int, tuple[Prompt, int, list[Completion]]] = {}
+
+    def collect(self, done: list[Completion], n: int) -> list[Group]:
+        groups = []
+        for c in done:
+            prompt, gid, comps = self.requests[c.request_id]
+            comps.append(c)
+            if len(comps) == n:
+                del self.requests[c.request_id]
+                groups.append(to_group(prompt, gid, comps))
+        return groups
+
+
+def generate_rollout(dataset: Any, engine: Any, reward_fn: Callable[[Sample], Any],
+                     filter_fn: GroupFilter | None, spec: RolloutSpec, dist: RankInfo | None,
                      rollout_id: int) -> RolloutBatch:
     """Generate, reward and filter until `rollout_batch_size` groups are kept (module docstring)."""
     started = time.perf_counter()
-    target, per_round = rollout_cfg.rollout_batch_size, rollout_cfg.over_sampling_batch_size
+    engine.reset_stats()
+    target, per_batch, n = spec.rollout_batch_size, spec.over_sampling_batch_size, spec.n_samples_per_prompt
     limit = max(len(dataset), target)
     kept: list[Group] = []
     dropped: Counter[str] = Counter()
-    num_aborted = num_generated_groups = num_generated_tokens = consumed = rounds = 0
-    rank = 0 if dist is None else dist.rank
+    mine = _Submitted()
+    in_flight = consumed = num_finished = num_tokens = num_late = 0   # counts over all ranks
     while len(kept) < target:
-        if consumed >= limit:
+        while len(kept) + in_flight < target and consumed < limit:
+            prompts = dataset.next_batch(per_batch)
+            share = rank_share(len(prompts), dist)
+            for i in range(share.start, share.stop):
+                gid = consumed + i
+                rid = engine.new_request_id()
+                engine.add(Request(request_id=rid, prompt_ids=prompts[i].token_ids, params=spec.sampling, n=n,
+                                   seed=derive_seed(spec.seed, rollout_id, gid)))
+                mine.requests[rid] = (prompts[i], gid, [])
+            consumed += len(prompts)
+            in_flight += len(prompts)
+        if in_flight == 0:
             raise RolloutError(
                 f"dynamic sampling filter kept {len(kept)}/{target} groups after a full pass over {consumed} "
                 f"prompts (data set has {len(dataset)}); rewards may all be equal (e.g. all 0)")
-        prompts = dataset.next_batch(per_round)
-        params = dataclasses.replace(rollout_cfg.sampling,
-                                     seed=derive_seed(rollout_cfg.seed, rollout_id, rounds, rank))
-        mine = rank_share(len(prompts), dist)
-        groups = generate_groups(prompts[mine], consumed + mine.start, rollout_cfg.n_samples_per_prompt,
-                                 generator, reward_fn, params)
-        groups = gather_lists(groups, dist)
-        consumed += len(prompts)
-        rounds += 1
-        num_generated_groups += len(groups)
-        num_generated_tokens += sum(len(s.response_ids) for g in groups for s in g.samples)
-        for g in groups:
+        finished = mine.collect(engine.step() if engine.has_work() else [], n)
+        reward_groups(finished, reward_fn)
+        finished = gather_lists(finished, dist)
+        in_flight -= len(finished)
+        num_finished += len(finished)
+        for g in finished:
+            num_tokens += sum(len(s.response_ids) for s in g.samples)
+            if len(kept) >= target:
+                num_late += 1     # finished in the step that completed the batch: not used, aborted
+                continue
             if filter_fn is not None and not filter_fn(g):
                 dropped[filter_fn.name] += 1
-            elif len(kept) < target:
-                kept.append(g)
             else:
-                num_aborted += 1
-    metrics = _summarize(kept, dict(dropped), num_aborted, num_generated_groups, rounds,
-                         num_generated_tokens, time.perf_counter() - started)
+                kept.append(g)
+    num_aborted = in_flight + num_late
+    aborted = engine.abort(set(mine.requests))
+    num_tokens += sum(gather_lists([len(c.token_ids) for c in aborted], dist))
+    stats = engine.reset_stats()
+    metrics = _summarize(kept, dict(dropped), num_aborted, num_finished, num_tokens,
+                         time.perf_counter() - started, stats)
     return RolloutBatch(groups=kept, metrics=metrics)
 
 
-def _summarize(kept: list[Group], dropped: dict[str, int], num_aborted: int, num_generated_groups: int,
-               num_rounds: int, num_generated_tokens: int, seconds: float) -> RolloutMetrics:
+def engine_metrics(stats: Any) -> dict[str, float]:
+    """The engine's counters of one rollout as perf/ metrics (this rank's engine)."""
+    return {
+        "perf/decode_steps_per_s": stats.num_decode_steps / max(stats.seconds, 1e-9),
+        "perf/rollout_mean_running_batch": stats.mean_batch,
+        "perf/rollout_kv_utilization": stats.kv_utilization,
+        "perf/rollout_num_preemptions": float(stats.num_preemptions),
+    }
+
+
+def _summarize(kept: list[Group], dropped: dict[str, int], num_aborted: int, num_finished: int,
+               num_generated_tokens: int, seconds: float, stats: Any) -> RolloutMetrics:
     samples = [s for g in kept for s in g.samples]
     lens = [len(s.response_ids) for s in samples]
     num = max(len(samples), 1)
     num_resp = sum(lens)
     return RolloutMetrics(
-        num_dropped=dropped, num_aborted=num_aborted, num_generated_groups=num_generated_groups,
-        num_rounds=num_rounds,
+        num_dropped=dropped, num_aborted=num_aborted, num_generated_groups=num_finished,
         raw_reward=sum(s.reward for s in samples) / num,
         response_len_mean=num_resp / num, response_len_max=max(lens, default=0),
         truncated_ratio=sum(s.truncated for s in samples) / num,
         rollout_log_probs=sum(sum(s.rollout_log_probs) for s in samples) / max(num_resp, 1),
-        num_tokens=sum(s.num_tokens for s in samples), num_generated_tokens=num_generated_tokens,
-        seconds=seconds)
+        num_generated_tokens=num_generated_tokens, seconds=seconds, engine=engine_metrics(stats))

@@ -1,0 +1,141 @@
+"""The engine's forward pass over the model's own weights: token-major, fused projections,
+per-layer blocks compiled once for all layers.
+
+Tokens are rows ([N, ...]: the packed tokens of a prefill or one token per
+sequence in a decode step). A layer is
+    q, k, v = pre_attention(x)      RMSNorm, one QKV matmul, qk-norm, RoPE
+    o = attend(layer, q, k, v)      the KV-cache context (kv_cache.py)
+    x = post_attention(x, o)        o-projection + residual, RMSNorm, one gate|up matmul, SiLU*up, down + residual
+with the same arithmetic as models/decoder.py (RMSNorm and RoPE in fp32, cast
+back before the weight) so the engine and the trainer compute the same
+function; tests compare the two.
+
+Fused weights: `fuse_projections` concatenates each layer's q/k/v (and gate/up)
+weights and biases into one tensor and turns the module's parameters into views
+of it. The parameters keep their names and shapes, so weight sync (`copy_` by
+name) writes straight into the fused tensors, and CUDA graphs captured over
+them stay valid.
+
+Compilation (CUDA): pre_attention, post_attention and the final norm are each
+`torch.compile`d once with a dynamic token count; every layer calls the same
+compiled code with its own weights (no per-layer recompiles), fusing the
+norms, RoPE and SiLU into a few kernels. The matmuls stay cuBLAS.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from furlong.models.rope import rope_cos_sin
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, H, D]; cos/sin [N, D] fp32 (rotate-half, as models/rope.py)."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+
+
+def pre_attention(x: torch.Tensor, ln_w: torch.Tensor, qkv_w: torch.Tensor, qkv_b: torch.Tensor | None,
+                  qn_w: torch.Tensor | None, kn_w: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                  eps: float, num_heads: int, num_kv_heads: int, head_dim: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [N, H] -> q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D] (q, k roped)."""
+    n = x.shape[0]
+    qkv = F.linear(rms_norm(x, ln_w, eps), qkv_w, qkv_b)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k, v = q.view(n, num_heads, head_dim), k.view(n, num_kv_heads, head_dim), v.reshape(n, num_kv_heads, head_dim)
+    if qn_w is not None:
+        q, k = rms_norm(q, qn_w, eps), rms_norm(k, kn_w, eps)
+    return rope(q, cos, sin), rope(k, cos, sin), v
+
+
+def post_attention(x: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None,
+                   ln_w: torch.Tensor, gu_w: torch.Tensor, gu_b: torch.Tensor | None, down_w: torch.Tensor,
+                   down_b: torch.Tensor | None, eps: float, intermediate: int) -> torch.Tensor:
+    """x [N, H], o [N, Hq, D] -> next x [N, H]."""
+    x = x + F.linear(o.flatten(1), o_w, o_b)
+    gate, up = F.linear(rms_norm(x, ln_w, eps), gu_w, gu_b).split(intermediate, dim=-1)
+    return x + F.linear(F.silu(gate) * up, down_w, down_b)
+
+
+def _fuse(params: list[nn.Parameter]) -> torch.Tensor:
+    """Concatenate along dim 0 into one tensor; each parameter becomes a view of its slice."""
+    fused = torch.cat([p.detach() for p in params], dim=0)
+    start = 0
+    for p in params:
+        p.data = fused[start:start + p.shape[0]]
+        start += p.shape[0]
+    return fused
+
+
+@dataclass
+class LayerWeights:
+    ln_w: torch.Tensor
+    qkv_w: torch.Tensor                   # [(Hq + 2 Hkv) D, H], q_proj/k_proj/v_proj.weight are views
+    qkv_b: torch.Tensor | None
+    qn_w: torch.Tensor | None
+    kn_w: torch.Tensor | None
+    o_w: torch.Tensor
+    o_b: torch.Tensor | None
+    post_ln_w: torch.Tensor
+    gu_w: torch.Tensor                    # [2 I, H], gate_proj/up_proj.weight are views
+    gu_b: torch.Tensor | None
+    down_w: torch.Tensor
+    down_b: torch.Tensor | None
+
+
+def fuse_projections(model: nn.Module) -> list[LayerWeights]:
+    out = []
+    for layer in model.layers:
+        a, m = layer.self_attn, layer.mlp
+        bias = lambda *mods: _fuse([x.bias for x in mods]) if mods[0].bias is not None else None  # noqa: E731
+        out.append(LayerWeights(
+            ln_w=layer.input_layernorm.weight,
+            qkv_w=_fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_b=bias(a.q_proj, a.k_proj, a.v_proj),
+            qn_w=a.q_norm.weight if a.q_norm is not None else None,
+            kn_w=a.k_norm.weight if a.k_norm is not None else None,
+            o_w=a.o_proj.weight, o_b=a.o_proj.bias, post_ln_w=layer.post_attention_layernorm.weight,
+            gu_w=_fuse([m.gate_proj.weight, m.up_proj.weight]), gu_b=bias(m.gate_proj, m.up_proj),
+            down_w=m.down_proj.weight, down_b=m.down_proj.bias))
+    return out
+
+
+class EngineForward:
+    def __init__(self, model: nn.Module, compile: bool):
+        self.model = model
+        self.args = model.args
+        self.layers = fuse_projections(model)
+        self.pre, self.post, self.norm = pre_attention, post_attention, rms_norm
+        if compile:
+            self.pre = torch.compile(pre_attention, dynamic=True)
+            self.post = torch.compile(post_attention, dynamic=True)
+            self.norm = torch.compile(rms_norm, dynamic=True)
+
+    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """input_ids, positions [N] -> final-normed hidden [N, H]; attend(layer, q, k, v) -> [N, Hq, D]."""
+        a, m = self.args, self.model
+        x = m.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(positions, m.inv_freq)
+        for i, w in enumerate(self.layers):
+            q, k, v = self.pre(x, w.ln_w, w.qkv_w, w.qkv_b, w.qn_w, w.kn_w, cos, sin, a.rms_norm_eps,
+                               a.num_heads, a.num_kv_heads, a.head_dim)
+            o = attend(i, q, k, v)
+            x = self.post(x, o, w.o_w, w.o_b, w.post_ln_w, w.gu_w, w.gu_b, w.down_w, w.down_b, a.rms_norm_eps,
+                          a.intermediate_size)
+        return self.norm(x, m.norm.weight, a.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.model.output_weight)
