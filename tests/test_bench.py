@@ -92,7 +92,7 @@ def test_all_parts_run_and_agree_with_the_workload(tmp_path, capsys):
     ro = parts["rollout"]["result"]
     assert ro["num_forced_tokens"] == sum(resp) and ro["max_new_tokens"] == max(resp)
     assert ro["tok_per_s"] == pytest.approx(sum(resp) / ro["seconds"])
-    assert ro["warm_tok_per_s"] == pytest.approx(sum(resp) / ro["warm_seconds"])
+    assert ro["first_seconds"] > 0 and ro["kv_cache_gib"] > 0
     # continuous batching: rows leave at their own length, so the mean batch is below 6
     assert ro["decode_steps"] >= max(resp) - 1 and ro["mean_running_batch"] < 6
 

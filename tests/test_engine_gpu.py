@@ -64,14 +64,16 @@ def test_triton_sampler_matches_reference(truncate):
     torch.testing.assert_close(lp, full, atol=2e-4, rtol=0)
 
 
-def small_model(dtype, layers=3, **over):
+def small_model(dtype, layers=3, std=0.2, embed_std=None):
     from furlong.models.decoder import Transformer
     from furlong.models.hf_config import ModelArgs
-    cfg = dict(QWEN3_06B, num_hidden_layers=layers, vocab_size=4096, **over)
+    cfg = dict(QWEN3_06B, num_hidden_layers=layers, vocab_size=4096)
     torch.manual_seed(0)
     with torch.device("cuda"):
         m = Transformer(ModelArgs.from_hf_config(cfg))
-        m.init_weights(std=0.2)    # peaky distributions: argmax is well separated
+        m.init_weights(std=std)    # 0.2: peaky distributions, argmax well separated
+        if embed_std is not None:
+            torch.nn.init.normal_(m.embed_tokens.weight, 0.0, embed_std)
     return m.to(dtype).eval()
 
 
@@ -104,7 +106,9 @@ def test_engine_greedy_equals_no_cache_loop_with_graphs():
 def test_engine_vs_trainer_log_prob_gap_bf16():
     from furlong.engine import Engine, EngineConfig, Request, SamplingParams
     from furlong.train.logprobs import chunked_log_probs
-    model = small_model(torch.bfloat16, layers=4)
+    # init like a real checkpoint's scale: layers std 0.02, tied embedding std 0.1, so the logits of the
+    # unit-RMS final hidden state have std ~3 (a trained model's spread, entropy a few nats)
+    model = small_model(torch.bfloat16, layers=4, std=0.02, embed_std=0.1)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in (20, 90, 140)]
     eng = Engine(model, NullTok(), [], EngineConfig(max_model_len=600, max_num_seqs=32))
@@ -120,7 +124,8 @@ def test_engine_vs_trainer_log_prob_gap_bf16():
             lp = lp[0] if isinstance(lp, tuple) else lp
             gaps.append((lp.float() - torch.tensor(c.log_probs, device="cuda")).abs())
     gap = torch.cat(gaps).mean().item()
-    print(f"engine-vs-trainer mean |log-prob gap| (bf16): {gap:.5f}")
+    mean_lp = sum(sum(c.log_probs) for comps in out for c in comps) / sum(len(c.log_probs) for comps in out for c in comps)
+    print(f"engine-vs-trainer mean |log-prob gap| (bf16): {gap:.5f}, mean sampled log-prob {mean_lp:.2f}")
     assert gap <= 0.01
 
 
@@ -147,3 +152,35 @@ def test_graphs_survive_release_and_a_resized_cache():
     assert [[c.token_ids for c in cs] for cs in second] == [[c.token_ids for c in cs] for cs in first]
     del hog
     eng.release()
+
+
+def test_weights_after_sync_equal_the_trainers_gathered_weights(tmp_path):
+    """A trained step on the GPU actor, then weight sync into an engine that already ran (fused
+    views, captured graphs): every engine parameter equals the actor's gathered weight in bf16."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_actor import synthetic_samples, tiny_config
+    from tiny_checkpoints import write_tiny_checkpoint
+    from furlong.engine import Engine, EngineConfig, Request, SamplingParams
+    from furlong.models.hf_io import load_pretrained
+    from furlong.train.actor import Actor
+    from furlong.train.distributed import init_distributed
+    from furlong.train.weight_sync import sync_weights
+    ckpt = write_tiny_checkpoint(tmp_path / "c", vocab_size=128, hidden=64, layers=2, heads=4, kv_heads=2,
+                                 tie=False, init_std=0.05)
+    ctx = init_distributed("auto")
+    actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=ctx.device), tiny_config(), ctx)
+    actor.train_step(synthetic_samples([9, 14, 7, 20]))
+    eng = Engine(load_pretrained(ckpt, dtype=torch.bfloat16, device=ctx.device), NullTok(), [],
+                 EngineConfig(max_model_len=64, max_num_seqs=4, kv_fraction=0.02))
+    with torch.inference_mode():
+        eng.generate([Request(0, [1, 2, 3], SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True))])
+    sync_weights(actor.model, eng.model, bucket_bytes=1 << 16)
+    engine_params = dict(eng.model.named_parameters())
+    for name, p in actor.model.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        assert torch.equal(engine_params[name], full.detach().to(torch.bfloat16)), name
+    w = eng.runner.forward.layers[0]
+    q = eng.model.layers[0].self_attn.q_proj.weight
+    assert w.qkv_w.data_ptr() == q.data_ptr() and torch.equal(w.qkv_w[:q.shape[0]], q)

@@ -4,10 +4,11 @@
   rollout  the step's 32 prompts x 8 samples as 32 requests of n=8 (each prompt
            prefilled once), every sample forced to its own length from the
            workload (ignore_eos, per-sample max_new_tokens): each row stops at
-           its own length. Timed twice: `cold` from a fresh engine session (KV
-           allocation and the CUDA-graph captures included, as the RL loop pays
-           them when the cache is released for training every step) and `warm`
-           (a second session with the graphs of the first kept).
+           its own length. `first_seconds`: the first rollout of a run (CUDA-graph
+           captures of every batch size it passes through; kernels already
+           compiled by a short warm-up). `seconds`: a later rollout, as every RL
+           step after the first pays it: a new session (the KV cache released
+           for training and mapped again) over the graphs kept from the first.
   decode   B x P random prompts, exactly N new tokens each, on the engine and on
            transformers `generate` (same weights, sampling, sdpa). If HF's warm-up
            predicts more than `hf_max_seconds` for N tokens, HF runs fewer tokens
@@ -50,14 +51,16 @@ def part_rollout(b: Bench) -> RolloutResult:
     g = torch.Generator().manual_seed(b.seed + 2)
     prompts = [torch.randint(0, b.args.vocab_size, (p,), generator=g).tolist() for p in w.prompt_lens]
     engine = make_engine(b, max(w.prompt_lens) + max(w.response_lens))
-    engine.generate(_rollout_requests(b, prompts[:2], seed=100))                # warm-up: kernels compile
+    engine.generate(_rollout_requests(b, prompts[:1], seed=100))                # warm-up: kernels compile
+    engine.release()
+    _, first_s = timed(lambda: engine.generate(_rollout_requests(b, prompts, seed=1)), dev)
     engine.release()
     engine.reset_stats()
     reset_peak(dev)
-    outs, cold_s = timed(lambda: engine.generate(_rollout_requests(b, prompts, seed=0)), dev)
+    outs, secs = timed(lambda: engine.generate(_rollout_requests(b, prompts, seed=0)), dev)
     stats = engine.reset_stats()
     peak = peak_gib(dev)
-    _, warm_s = timed(lambda: engine.generate(_rollout_requests(b, prompts, seed=0)), dev)   # graphs kept
+    kv_gib = engine.runner.kv_bytes / 2**30
     engine.release()
     got = [len(c.token_ids) for cs in outs for c in cs]
     if got != list(w.response_lens):
@@ -65,13 +68,13 @@ def part_rollout(b: Bench) -> RolloutResult:
         raise RuntimeError(f"engine sample {bad} has {got[bad]} tokens, forced length {w.response_lens[bad]}")
     forced = sum(got)
     return RolloutResult(
-        num_samples=w.num_samples, max_new_tokens=max(w.response_lens), num_forced_tokens=forced, seconds=cold_s,
-        tok_per_s=rate(forced, cold_s), warm_seconds=warm_s, warm_tok_per_s=rate(forced, warm_s),
-        decode_steps=stats.num_decode_steps, decode_steps_per_s=rate(stats.num_decode_steps, cold_s),
-        mean_running_batch=stats.mean_batch, kv_utilization=stats.kv_utilization,
-        num_preemptions=stats.num_preemptions, peak_gib=peak,
+        num_samples=w.num_samples, max_new_tokens=max(w.response_lens), num_forced_tokens=forced, seconds=secs,
+        tok_per_s=rate(forced, secs), first_seconds=first_s, decode_steps=stats.num_decode_steps,
+        decode_steps_per_s=rate(stats.num_decode_steps, secs), mean_running_batch=stats.mean_batch,
+        kv_utilization=stats.kv_utilization, num_preemptions=stats.num_preemptions, peak_gib=peak, kv_cache_gib=kv_gib,
         note="32 requests x n=8 (prompt prefilled once), each sample forced to its own length (ignore_eos); "
-             "seconds = cold session (KV allocation + graph capture included); warm = graphs kept")
+             "seconds: a new session over kept graphs (every step after the first); first_seconds: the first "
+             "rollout, graph captures included")
 
 
 def part_decode(b: Bench) -> DecodeResult:
@@ -148,11 +151,12 @@ def part_eval(b: Bench) -> EvalProbeResult:
     reset_peak(dev)
     outs, secs = timed(lambda: engine.generate(reqs), dev)
     stats = engine.reset_stats()
+    kv_gib = engine.runner.kv_bytes / 2**30
     engine.release()
     num = sum(len(c.token_ids) for cs in outs for c in cs)
     return EvalProbeResult(num_prompts=len(prompts), max_new_tokens=w.eval_max_new_tokens, num_generated_tokens=num,
                            seconds=secs, tok_per_s=rate(num, secs), decode_steps=stats.num_decode_steps,
                            mean_running_batch=stats.mean_batch, num_preemptions=stats.num_preemptions,
-                           peak_gib=peak_gib(dev),
+                           peak_gib=peak_gib(dev), kv_cache_gib=kv_gib,
                            note="greedy, ignore_eos (random weights), fresh session: KV allocation and graph "
                                 "captures included")

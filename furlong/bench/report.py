@@ -81,16 +81,16 @@ class RolloutResult:
     num_samples: int
     max_new_tokens: int              # longest forced response
     num_forced_tokens: int           # sum of forced response lengths (every token generated)
-    seconds: float                   # cold session: KV allocation + graph captures included
-    tok_per_s: float                 # forced tokens / s, cold
-    warm_seconds: float              # same requests, graphs kept from the cold session
-    warm_tok_per_s: float
-    decode_steps: int                # decode steps of the cold run
+    seconds: float                   # a later rollout: new KV session, graphs kept (what each step pays)
+    tok_per_s: float                 # forced tokens / s
+    first_seconds: float             # the run's first rollout: CUDA-graph captures included
+    decode_steps: int
     decode_steps_per_s: float
     mean_running_batch: float        # rows per decode step
     kv_utilization: float            # mean used / total KV pages per decode window
     num_preemptions: int
-    peak_gib: float | None
+    peak_gib: float | None           # torch allocations (the KV cache is mapped outside them)
+    kv_cache_gib: float              # KV cache mapped for the session (--rollout-kv-fraction of free memory)
     note: str
 
 
@@ -105,6 +105,7 @@ class EvalProbeResult:
     mean_running_batch: float
     num_preemptions: int
     peak_gib: float | None
+    kv_cache_gib: float
     note: str
 
 

@@ -32,6 +32,7 @@ import torch
 
 from furlong.engine.block_manager import BlockManager, pages_for
 from furlong.engine.model_runner import ModelRunner, StepOutput
+from furlong.engine.sampling import SamplingParams
 from furlong.engine.scheduler import Plan, Scheduler
 from furlong.engine.sequence import Completion, Request, Sequence
 from furlong.engine.stop import StopStrings, cut_after_stop
@@ -83,7 +84,7 @@ class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer: Any, eos_token_ids: list[int], config: EngineConfig):
         self.model = model
         self.tokenizer = tokenizer
-        self.eos_token_ids = set(eos_token_ids)
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.cfg = config
         on_gpu = next(model.parameters()).is_cuda
         self.runner = ModelRunner(model, config.page_size, config.max_num_seqs, config.use_cuda_graphs,
@@ -91,6 +92,7 @@ class Engine:
         self.scheduler: Scheduler | None = None
         self.stats = EngineStats()
         self._next_id = 0
+        self._stop_id_cache: dict[int, tuple[SamplingParams, frozenset[int]]] = {}   # id(params) -> stop ids
 
     @property
     def device(self) -> torch.device:
@@ -201,19 +203,16 @@ class Engine:
         done = []
         for seq, toks, lps in zip(seqs, out.tokens, out.log_probs):
             p = seq.params
-            stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
             first_new = seq.num_generated
-            reason = None
-            for t, lp in zip(toks, lps):
-                seq.token_ids.append(t)
-                seq.log_probs.append(lp)
-                self.stats.num_generated_tokens += 1
-                if t in stop_ids:
-                    reason = "stop"
-                    break
-                if seq.num_generated >= seq.max_new_tokens:
-                    reason = "length"
-                    break
+            keep = min(len(toks), seq.max_new_tokens - first_new)
+            reason = "length" if keep == seq.max_new_tokens - first_new else None
+            stop_ids = self._stop_ids(p)
+            if stop_ids and not stop_ids.isdisjoint(toks[:keep]):
+                keep = next(j for j, t in enumerate(toks) if t in stop_ids) + 1
+                reason = "stop"
+            seq.token_ids.extend(toks[:keep])
+            seq.log_probs.extend(lps[:keep])
+            self.stats.num_generated_tokens += keep
             if p.stop:
                 hit = StopStrings(self.tokenizer, p.stop).first_hit(seq.response_ids, first_new)
                 if hit is not None:
@@ -227,6 +226,14 @@ class Engine:
                 self.scheduler.finish(seq, reason)
                 done.append(self._completion(seq))
         return done
+
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        key = id(params)
+        hit = self._stop_id_cache.get(key)
+        if hit is None or hit[0] is not params:
+            ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+            hit = self._stop_id_cache[key] = (params, ids)
+        return hit[1]
 
     def _completion(self, seq: Sequence) -> Completion:
         text = self.tokenizer.decode(seq.response_ids, skip_special_tokens=False)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from furlong.engine.forward import EngineForward
@@ -82,6 +83,8 @@ class ModelRunner:
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.on_gpu else 1
         self.stable: tuple | None = None      # (keys, values) StableBuffers, reserved on first use
         self.ints = None                      # decode buffers, made on first use (see allocate)
+        self.kv_bytes = 0                     # KV cache of the current session
+        self._stage_key = None                # running set whose inputs the buffers hold (_stage)
 
     # ---- session -------------------------------------------------------------------------------
     def page_shape(self) -> tuple[int, ...]:
@@ -114,8 +117,10 @@ class ModelRunner:
             shape = (num_pages, *self.page_shape())
             self.cache = PagedKVCache(torch.empty(shape, dtype=self.dtype, device=dev),
                                       torch.empty(shape, dtype=self.dtype, device=dev))
+        self.kv_bytes = num_pages * self.page_bytes()
         self.cache.keys[0].zero_()     # the scratch page: padded rows read it, keep it finite
         self.cache.values[0].zero_()
+        self._stage_key = None
         if self.ints is None or self.block_tables.shape[1] != max_pages_per_seq:
             self.graphs.clear()
             self.ints = torch.zeros(len(INT_ROWS), rows, dtype=torch.int64, device=dev)       # see INT_ROWS
@@ -224,22 +229,40 @@ class ModelRunner:
             self.pool = graph.pool()
         self.graphs[(rows, truncate)] = graph
 
+    def _stage(self, seqs: list[Sequence], rows: int) -> None:
+        """Write the window's inputs into the decode buffers. Host staging arrays are reused: the
+        per-sequence sampling rows are rebuilt only when the running set changed, and block-table
+        rows only where a table grew; ids and positions are rewritten every window."""
+        key = (rows, tuple(id(s) for s in seqs))
+        width = self.block_tables.shape[1]
+        if key != self._stage_key:
+            self._stage_key = key
+            self._host_ints = np.zeros((len(INT_ROWS), rows), dtype=np.int64)
+            self._host_floats = np.ones((len(FLOAT_ROWS), rows), dtype=np.float32)
+            self._host_tables = np.zeros((rows, width), dtype=np.int32)
+            self._table_lens = [0] * len(seqs)
+            ints, floats = sampling_rows_host(seqs, self.args.vocab_size)
+            self._host_ints[2:, :len(seqs)] = ints
+            self._host_floats[:, :len(seqs)] = floats
+            self.floats[:, :rows].copy_(torch.from_numpy(self._host_floats))
+        for i, s in enumerate(seqs):
+            n = len(s.block_table)
+            if n != self._table_lens[i]:
+                self._host_tables[i, self._table_lens[i]:n] = s.block_table[self._table_lens[i]:]
+                self._table_lens[i] = n
+        self._host_ints[0, :len(seqs)] = [s.token_ids[-1] for s in seqs]
+        self._host_ints[1, :len(seqs)] = [s.num_tokens - 1 for s in seqs]
+        self.ints[:, :rows].copy_(torch.from_numpy(self._host_ints))
+        self.block_tables[:rows].copy_(torch.from_numpy(self._host_tables))
+
     def decode(self, seqs: list[Sequence], window: int) -> StepOutput:
         num = len(seqs)
         rows = self.buckets[bisect.bisect_left(self.buckets, num)] if self.use_cuda_graphs else num
         truncate = any(s.params.truncates for s in seqs)
         if self.use_cuda_graphs and (rows, truncate) not in self.graphs:
             self._capture(rows, truncate)
-        pad = rows - num
-        ints, floats = sampling_rows_host(seqs, self.args.vocab_size)
-        host_ints = [[s.token_ids[-1] for s in seqs], [s.num_tokens - 1 for s in seqs]] + ints
-        host_ints = [r + [0] * pad for r in host_ints]
-        host_floats = [r + [1.0] * pad for r in floats]
-        width = self.block_tables.shape[1]
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs] + [[0] * width] * pad
-        self.ints[:, :rows].copy_(torch.tensor(host_ints, dtype=torch.int64))
-        self.floats[:, :rows].copy_(torch.tensor(host_floats, dtype=torch.float32))
-        self.block_tables[:rows].copy_(torch.tensor(tables, dtype=torch.int32))
+            self._stage_key = None       # capture overwrote the buffers
+        self._stage(seqs, rows)
         toks = torch.empty(window, rows, dtype=torch.int64, device=self.device)
         lps = torch.empty(window, rows, dtype=torch.float32, device=self.device)
         for i in range(window):

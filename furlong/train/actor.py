@@ -79,6 +79,7 @@ class TrainMetrics:
     ppo_kl: float
     entropy: float
     kl_loss: float
+    rollout_logprob_abs_diff: float   # mean |trainer - engine| log-prob of the trained tokens (same weights)
     grad_norm: float              # before clipping, mean over steps
     lr: float                     # learning rate of the last step
     num_steps: int                # optimizer steps taken
@@ -294,6 +295,7 @@ class Actor:
         return TrainMetrics(
             loss=mean("loss"), pg_loss=mean("pg_loss"), pg_clipfrac=mean("pg_clipfrac"), ppo_kl=mean("ppo_kl"),
             entropy=mean("entropy"), kl_loss=mean("kl_loss"),
+            rollout_logprob_abs_diff=mean("rollout_logprob_abs_diff"),
             grad_norm=sum(st.grad_norm for st in finite) / len(finite), lr=steps[-1].lr, num_steps=n,
             num_skipped_steps=sum(not st.finite for st in steps),
             num_micro_batches=sum(st.num_micro_batches for st in steps),

@@ -129,6 +129,7 @@ class LossMetrics:
     ppo_kl: torch.Tensor        # [] old - logp
     kl_loss: torch.Tensor       # [] KL estimate vs the reference (0 without --use-kl-loss)
     entropy: torch.Tensor       # [] policy entropy (0 when not computed)
+    rollout_logprob_abs_diff: torch.Tensor   # [] |trainer - engine| log-prob of the sampled tokens
 
     def __add__(self, other: "LossMetrics") -> "LossMetrics":
         return LossMetrics(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
@@ -185,6 +186,7 @@ def rl_loss(mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor | Non
         ppo_kl=_wsum(ppo_kl, w),
         kl_loss=kl_metric,
         entropy=zero if entropy is None else _wsum(entropy, w),
+        rollout_logprob_abs_diff=_wsum((log_probs.detach() - mb.rollout_log_probs).abs(), w),
     )
     return loss, metrics
 
