@@ -58,7 +58,7 @@ class RolloutConfig:
     rollout_kv_fraction: float = flag(0.8, "fraction of free GPU memory the engine's KV cache may take",
                                       aliases=["--sglang-mem-fraction-static"])
     rollout_max_num_seqs: int = flag(512, "engine: most sequences decoded together (largest CUDA-graph batch)")
-    rollout_decode_window: int = flag(8, "engine: decode steps between host syncs (finished rows leave then)")
+    rollout_decode_window: int = flag(16, "engine: decode steps between host syncs (finished rows leave then)")
     rollout_enforce_eager: bool = flag(False, "engine: no CUDA graphs (debugging)")
     sglang_decode_log_interval: int | None = flag(None, "SGLang only", sglang=True)
     sglang_enable_metrics: bool = flag(False, "SGLang only", sglang=True)

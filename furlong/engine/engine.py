@@ -44,7 +44,7 @@ class EngineConfig:
     page_size: int = 64               # tokens per KV page
     max_num_seqs: int = 512           # running sequences (largest decode batch)
     max_prefill_tokens: int = 16384   # tokens per packed prefill
-    decode_window: int = 8            # decode steps per host sync
+    decode_window: int = 16           # decode steps per host sync
     max_model_len: int = 4096         # prompt + response tokens of any request
     use_cuda_graphs: bool = True
     compile: bool | None = None       # torch.compile the layer blocks (None: on CUDA)

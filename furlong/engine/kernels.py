@@ -12,7 +12,9 @@ sample_tokens  one pass over a row's logits: the online log-sum-exp of the
     scaled logits (for the chosen token's log-prob) and the argmax of the
     exponential race with counter-based noise, exactly as sampling.py's
     reference (same hash, same threshold rule, first index on ties).
-Both are fixed-shape and sync-free, so they are captured in the decode CUDA graphs.
+store_kv  each new token's k and v into its (page, offset) slot, one program per
+    (token, kv head): one launch per layer instead of two generic index_put kernels.
+All are fixed-shape and sync-free, so they are captured in the decode CUDA graphs.
 """
 from __future__ import annotations
 
@@ -120,6 +122,28 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
             part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1), num_splits, D=dim, S_PAD=triton.next_power_of_2(num_splits))
     return out
+
+
+@triton.jit
+def _store_kv_kernel(K, V, KC, VC, PAGE, OFF, s_kn, s_kh, s_vn, s_vh, s_cp, s_ch, s_cs, D: tl.constexpr):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, D)
+    page = tl.load(PAGE + n)
+    off = tl.load(OFF + n)
+    dst = page * s_cp + h * s_ch + off * s_cs + d
+    tl.store(KC + dst, tl.load(K + n * s_kn + h * s_kh + d))
+    tl.store(VC + dst, tl.load(V + n * s_vn + h * s_vh + d))
+
+
+def store_kv(keys: torch.Tensor, values: torch.Tensor, page: torch.Tensor, offset: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """k, v [N, Hkv, D] into keys/values [P, Hkv, page, D] (same strides) at (page[i], offset[i])."""
+    num, num_kv, dim = k.shape
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or keys.stride() != values.stride():
+        raise ValueError("store_kv: head dim must be contiguous and keys/values laid out alike")
+    _store_kv_kernel[(num, num_kv)](k, v, keys, values, page, offset, k.stride(0), k.stride(1), v.stride(0),
+                                   v.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), D=dim, num_warps=1)
 
 
 @triton.jit

@@ -49,8 +49,12 @@ class PagedKVCache:
         return self.keys[:, layer], self.values[:, layer]
 
     def write(self, layer: int, page: torch.Tensor, offset: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [N, Hkv, D] into slots (page[i], offset[i]), i < N."""
+        """k, v [N, Hkv, D] into slots (page[i], offset[i]), i < N (a Triton kernel on CUDA)."""
         keys, values = self.layer(layer)
+        if keys.is_cuda:
+            from furlong.engine.kernels import store_kv
+            store_kv(keys, values, page, offset, k, v)
+            return
         keys[page, :, offset] = k
         values[page, :, offset] = v
 
