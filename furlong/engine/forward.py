@@ -1,5 +1,6 @@
-"""The engine's forward pass over the model's own weights: token-major, fused projections,
-per-layer blocks compiled once for all layers.
+"""The engine's forward over the model's own weights: fused projections, compiled layer blocks.
+
+Token-major, with per-layer blocks compiled once for all layers.
 
 Tokens are rows ([N, ...]: the packed tokens of a prefill or one token per
 sequence in a decode step). A layer is

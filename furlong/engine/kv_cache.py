@@ -1,4 +1,4 @@
-"""The paged KV cache and the two ways the model's attention layers use it.
+"""The paged KV cache and the two attention contexts (prefill, decode) of the engine's forward.
 
 Layout: keys and values each [num_pages, num_layers, Hkv, page_size, D]. Pages
 come first so that a layer's view (`keys[:, layer]`) starts at the same address

@@ -1,5 +1,7 @@
-"""The model runner: owns the engine's GPU tensors (KV cache, decode buffers, CUDA graphs)
-and runs the two kinds of forward the scheduler plans.
+"""The model runner: owns the engine's tensors and graphs; runs prefills and decode windows.
+
+It owns the KV cache, the decode buffers and the CUDA graphs, and runs the two
+kinds of forward the scheduler plans:
 
   prefill  one packed varlen forward over the new tokens of several sequences
            (eager: its token count changes every time), writing their K/V into
