@@ -128,11 +128,9 @@ class RunParts:
         save_checkpoint(self.cfg.ckpt.save, self.actor, rollout_id, sampler_state=self.dataset.state_dict())
 
     def mfu(self, num_tokens: int, seconds: float) -> float:
-        """Model FLOPs utilization of training: 6*N FLOPs per token (fwd+bwd; attention ignored) over peak."""
-        if self.ctx.device.type != "cuda" or seconds <= 0:
-            return 0.0
-        peak = 989e12 * self.ctx.world_size  # dense bf16 per H100/H200 (datasheet)
-        return 6 * self.num_params * num_tokens / seconds / peak
+        """Training MFU: 6*N FLOPs per token over the peak of the GPUs in use (train/mfu.py)."""
+        from furlong.train.mfu import mfu
+        return mfu(self.num_params, num_tokens, seconds, self.ctx.device, self.ctx.world_size)
 
 
 def build_run(cfg: Config, ctx, with_actor: bool) -> RunParts:

@@ -80,8 +80,14 @@ class Bench:
         return self._actor
 
     def release_actor(self) -> None:
+        """Drop the actor and everything that pins it: compiled code caches hold references to the
+        modules they traced, so without the reset its ~100 GiB stayed allocated for the next part."""
         self._actor = None
+        torch._dynamo.reset()
         free_memory(self.device)
+        if self.device.type == "cuda":
+            left = torch.cuda.memory_allocated(self.device) / 2**30
+            print(f"[bench] after releasing the actor: {left:.1f} GiB still allocated", flush=True)
 
     def train_samples(self) -> list[TrainSample]:
         """Random prompt/response ids with the forced lengths; one GRPO-like advantage per sample."""

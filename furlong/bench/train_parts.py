@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from furlong.bench.measure import OOM_ERRORS, PartTimeout, free_memory, peak_gib, rate, reset_peak, timed
 from furlong.bench.report import BudgetResult, BudgetRow, HfTrainResult, TrainResult
 from furlong.bench.state import Bench, build_hf_model
+from furlong.train.mfu import mfu as train_mfu
 from furlong.types import TrainSample
 
-HF_PEAK_FLOPS = 989e12   # dense bf16 per H100/H200 (datasheet), for MFU only
 
 
 def part_train(b: Bench) -> TrainResult:
@@ -41,14 +41,15 @@ def part_train(b: Bench) -> TrainResult:
     stats = balance_stats([lengths[i] for i in mine], plan_micro_batches([lengths[i] for i in mine],
                                                                          actor.max_tokens_per_gpu))
     num_params = sum(p.numel() for p in b.engine().parameters())
-    mfu = (6 * num_params * rate(num_tokens, train_s) / (HF_PEAK_FLOPS * b.ctx.world_size)
-           if dev.type == "cuda" else None)
+    mfu = train_mfu(num_params, num_tokens, train_s, dev, b.ctx.world_size) if dev.type == "cuda" else None
     print(f"[bench] train: log-probs {logp_s:.2f}s, train_step {train_s:.2f}s, "
           f"{tm.num_micro_batches} micro-batches", flush=True)
 
     mbs1_s = mbs1_mb = None
     dyn_cfg = actor.cfg
     try:
+        if not b.w.compare_mbs1:
+            raise _Skipped("train.compare_micro_batch_size_1 is false in the workload")
         # Actor reads its batch flags from self.cfg at every step: swap them for the comparison.
         actor.cfg = b.config(use_dynamic_batch_size=False, micro_batch_size=1)
         tm1, mbs1_s = timed(lambda: actor.train_step(samples), dev)
@@ -56,7 +57,7 @@ def part_train(b: Bench) -> TrainResult:
     except PartTimeout:
         raise
     except Exception as e:   # the comparison is optional; report why it is missing
-        print(f"[bench] train: micro-batch-size 1 comparison failed: {e!r}", flush=True)
+        print(f"[bench] train: micro-batch-size 1 comparison skipped: {e}", flush=True)
     finally:
         actor.cfg = dyn_cfg
 
@@ -172,8 +173,20 @@ def hf_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
     return out
 
 
-def _hf_fwd_bwd(hf: Any, samples: list[TrainSample], idx: list[int], dev: torch.device) -> None:
-    """One padded micro-batch: CE over every real next token, summed, then backward."""
+class _Skipped(Exception):
+    pass
+
+
+def _chunk_ce(lm_head: Any, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(lm_head(hidden).float(), labels, ignore_index=-100, reduction="sum")
+
+
+def _hf_fwd_bwd(hf: Any, samples: list[TrainSample], idx: list[int], dev: torch.device,
+                chunk: int = 4096) -> None:
+    """One padded micro-batch: CE over every real next token, summed, then backward. The LM head
+    and CE run over chunks of positions under activation checkpointing, so the [tokens, vocab] fp32
+    logits never exist whole (the usual fix for HF training at long token budgets)."""
+    from torch.utils.checkpoint import checkpoint
     width = max(samples[i].num_tokens for i in idx)
     ids = torch.zeros(len(idx), width, dtype=torch.long)
     mask = torch.zeros(len(idx), width, dtype=torch.long)
@@ -181,26 +194,31 @@ def _hf_fwd_bwd(hf: Any, samples: list[TrainSample], idx: list[int], dev: torch.
         ids[r, :samples[i].num_tokens], mask[r, :samples[i].num_tokens] = samples[i].token_ids, 1
     labels = torch.cat([ids[:, 1:], torch.zeros(len(idx), 1, dtype=torch.long)], 1)
     labels[torch.cat([mask[:, 1:], torch.zeros(len(idx), 1, dtype=torch.long)], 1) == 0] = -100
-    ids, mask, labels = ids.to(dev), mask.to(dev), labels.to(dev)
-    logits = hf(input_ids=ids, attention_mask=mask, use_cache=False).logits   # no KV cache in training
-    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+    ids, mask, labels = ids.to(dev), mask.to(dev), labels.to(dev).flatten()
+    hidden = hf.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state.flatten(0, 1)
+    loss = sum(checkpoint(_chunk_ce, hf.lm_head, hidden[s:s + chunk], labels[s:s + chunk], use_reentrant=False)
+               for s in range(0, hidden.shape[0], chunk))
     loss.backward()
 
 
 def part_hf(b: Bench) -> HfTrainResult:
-    """HF fwd+bwd at our token budget; if its padded fp32 logits do not fit, at half of it (noted)."""
+    """HF fwd+bwd at our token budget (chunked LM head + CE); if it does not fit, at half of it (noted)."""
     dev, samples = b.device, b.train_samples()
     hf = build_hf_model(b.engine(), b.w.model, b.dtype, dev).train()
     lengths = [s.num_tokens for s in samples]
     budgets = [b.w.max_tokens_per_gpu, b.w.max_tokens_per_gpu // 2]
+    secs = peak = None
     try:
         for k, budget in enumerate(budgets):
             plan = hf_micro_batches(lengths, budget)
+            oom = False
             try:
                 _hf_fwd_bwd(hf, samples, plan[0], dev)                          # warm-up (largest row first)
             except OOM_ERRORS:
                 if k + 1 == len(budgets):
                     raise
+                oom = True
+            if oom:   # outside the except block, so the failed attempt's frames (and tensors) are gone
                 hf.zero_grad(set_to_none=True)
                 free_memory(dev)
                 print(f"[bench] hf: out of memory at {budget} tokens per micro-batch; trying {budgets[k + 1]}",
@@ -217,8 +235,10 @@ def part_hf(b: Bench) -> HfTrainResult:
     train = b.reports.get("train")
     ours = train.result.train_tok_per_s if train is not None and train.status == "ok" else None
     real = sum(lengths)
+    ratio = None if ours is None else ours / rate(real, secs)
+    print(f"[bench] hf: {rate(real, secs):,.0f} tok/s at {budget} tokens per micro-batch; "
+          f"furlong_over_hf {ratio if ratio is None else round(ratio, 2)}", flush=True)
     return HfTrainResult(
         max_tokens_per_micro_batch=budget, num_micro_batches=len(plan), num_real_tokens=real,
         num_padded_tokens=sum(len(mb) * lengths[mb[0]] for mb in plan), seconds=secs,
-        tok_per_s=rate(real, secs), peak_gib=peak,
-        furlong_over_hf=None if ours is None else ours / rate(real, secs))
+        tok_per_s=rate(real, secs), peak_gib=peak, furlong_over_hf=ratio)

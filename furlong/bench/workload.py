@@ -41,6 +41,7 @@ class Workload:
     eps_clip_high: float
     update_weight_buffer_size: int  # bytes per weight-sync bucket
     budgets: list[int]              # --max-tokens-per-gpu values of the budget sweep
+    compare_mbs1: bool              # train part: also time the step at --micro-batch-size 1
     decode_batch: int
     decode_prompt_len: int
     decode_new_tokens: int
@@ -98,6 +99,7 @@ def load_workload(path: str | Path) -> Workload:
         eps_clip=eps, eps_clip_high=float(get("train", "eps_clip_high", eps)),
         update_weight_buffer_size=int(get("train", "update_weight_buffer_size", 512 * 1024**2)),
         budgets=[int(b) for b in get("train", "budget_sweep", DEFAULT_BUDGETS)],
+        compare_mbs1=bool(get("train", "compare_micro_batch_size_1", True)),
         decode_batch=int(get("decode_probe", "batch")), decode_prompt_len=int(get("decode_probe", "prompt_len")),
         decode_new_tokens=int(get("decode_probe", "new_tokens")),
         hf_max_seconds=float(get("decode_probe", "hf_max_seconds", 60.0)),

@@ -165,9 +165,7 @@ class Actor:
         self.max_tokens_per_gpu = max_tokens_per_gpu if max_tokens_per_gpu is not None else cfg.max_tokens_per_gpu
 
     def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
-        # Compiled layers under --gradient-checkpointing failed the recompute metadata check on
-        # an H200 (torch 2.11; fine on CPU), so recompute runs eager until that is understood.
-        if compile_enabled(self.cfg.parallel.torch_compile, self.ctx.device) and not model.gradient_checkpointing:
+        if compile_enabled(self.cfg.parallel.torch_compile, self.ctx.device):
             compile_layers(model)
         shard_model(model, self.ctx, self.param_dtype)
         # forward_packed is not __call__: route it through FSDP's unshard/reshard hooks

@@ -44,7 +44,11 @@ def shard_model(model: nn.Module, ctx: DistContext, param_dtype: torch.dtype,
         raise ValueError("shard_model: model has no .layers ModuleList of decoder layers")
     model.to(device=ctx.device, dtype=torch.float32)  # master weights are fp32
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # cast_forward_inputs=False: the layers' floating inputs are the bf16 hidden state (already in
+    # param_dtype from the embedding) and the fp32 RoPE cos/sin, which must stay fp32: RoPE is computed
+    # in fp32 as in the engine, and torch 2.11's FSDP skipped the input cast during activation
+    # recompute, so a cast made --gradient-checkpointing fail its saved-vs-recomputed dtype check.
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     # the root keeps embeddings/norm/head gathered after forward: its backward
