@@ -101,6 +101,9 @@ def _build_parser() -> _Parser:
     b.add_argument("--workload", required=True)
     b.add_argument("--output", default=None)
     b.add_argument("--parts", default="all")
+    pl = sub.add_parser("plot", help="one PNG of a run's metrics (reward, eval, length, KL, entropy, time)")
+    pl.add_argument("run_dir", metavar="RUN_DIR", help="a run's --output-dir (holds metrics.jsonl)")
+    pl.add_argument("--output", default=None, metavar="FILE.png", help="default: RUN_DIR/metrics.png")
     e = sub.add_parser("export", help="checkpoint -> HF checkpoint")
     e.add_argument("--load", required=True)
     e.add_argument("--output", required=True)
@@ -146,6 +149,10 @@ def _run(argv: list[str]) -> int:
     if args.command == "bench":
         from furlong.bench import run_bench
         return run_bench(args.workload, args.output, args.parts)
+    if args.command == "plot":
+        from furlong.plot import plot_run
+        print(f"plot: wrote {plot_run(args.run_dir, args.output)}")
+        return 0
     if args.command == "export":
         from furlong.export import export_hf
         export_hf(args.load, args.output, args.hf_checkpoint)
