@@ -102,17 +102,19 @@ class DecodeContext:
 
 def decode_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-    """q [B, Hq, D]; keys/values [num_pages, Hkv, page, D] -> [B, Hq, D]. Row by row: gather the
-    row's pages, SDPA over its context (a padded row, context 0, gives zeros). Syncs (tolist): CPU
-    and tests only."""
-    page_size = keys.shape[2]
-    out = torch.zeros_like(q)
-    for b, length in enumerate(context_lens.tolist()):
-        if length == 0:
-            continue
-        pages = block_tables[b, :-(-length // page_size)].long()
-        k = keys[pages].transpose(0, 1).flatten(1, 2)[:, :length]     # [Hkv, L, D]
-        v = values[pages].transpose(0, 1).flatten(1, 2)[:, :length]
-        o = F.scaled_dot_product_attention(q[b][:, None], k, v, enable_gqa=q.shape[1] != k.shape[0])
-        out[b] = o[:, 0]
-    return out
+    """q [B, Hq, D]; keys/values [num_pages, Hkv, page, D] -> [B, Hq, D], exact: every row's pages
+    gathered into one padded [B, Hkv, L, D] batch, one SDPA masked to each row's context (a padded
+    row, context 0, gives zeros). One host sync (the longest context): CPU and tests only."""
+    num_rows, page = q.shape[0], keys.shape[2]
+    longest = int(context_lens.max()) if num_rows else 0
+    if longest == 0:
+        return torch.zeros_like(q)
+    pages = block_tables[:, :-(-longest // page)].long()                    # [B, mp]
+    gather = lambda c: c[pages].permute(0, 2, 1, 3, 4).flatten(2, 3)        # noqa: E731  [B, Hkv, mp*page, D]
+    k, v = gather(keys), gather(values)
+    visible = torch.arange(k.shape[2], device=q.device)[None, :] < context_lens[:, None].long()   # [B, L]
+    empty = context_lens == 0
+    visible[:, 0] |= empty                    # keep all-masked rows finite; zeroed below
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=visible[:, None, None, :],
+                                         enable_gqa=q.shape[1] != k.shape[1])[:, :, 0]
+    return out.masked_fill(empty[:, None, None], 0.0)

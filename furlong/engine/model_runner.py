@@ -116,9 +116,11 @@ class ModelRunner:
         else:
             self.graphs.clear()
             self.pool = None
+            # zeros: the CPU reference attention reads whole pages (masked), and a NaN bit pattern
+            # left in never-written memory would survive the mask (NaN * 0)
             shape = (num_pages, *self.page_shape())
-            self.cache = PagedKVCache(torch.empty(shape, dtype=self.dtype, device=dev),
-                                      torch.empty(shape, dtype=self.dtype, device=dev))
+            self.cache = PagedKVCache(torch.zeros(shape, dtype=self.dtype, device=dev),
+                                      torch.zeros(shape, dtype=self.dtype, device=dev))
         self.kv_bytes = num_pages * self.page_bytes()
         self.cache.keys[0].zero_()     # the scratch page: padded rows read it, keep it finite
         self.cache.values[0].zero_()
