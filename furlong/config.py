@@ -80,18 +80,30 @@ class EvalConfig:
 
 @dataclass
 class AlgoConfig:
-    advantage_estimator: str = flag("grpo", "grpo")
+    advantage_estimator: str = flag("grpo", "grpo | gspo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline")
     disable_grpo_std_normalization: bool = flag(False, "GRPO: only subtract the group mean")
+    disable_rewards_normalization: bool = flag(False, "GRPO/GSPO: raw rewards as advantages (no group mean or std)")
+    normalize_advantages: bool = flag(False, "whiten advantages over the global batch (all ranks)")
+    gamma: float = flag(1.0, "discount of the token-level returns (reinforce_plus_plus*)")
+    lambd: float = flag(1.0, "GAE lambda (ppo)")
+    loss_agg_mode: str = flag("seq-mean-token-mean", "seq-mean-token-mean (miles) | token-mean (DAPO; = "
+                              "--calculate-per-token-loss) | seq-mean-token-sum-norm (Dr.GRPO: token sums over "
+                              "--rollout-max-response-len)")
+    overlong_buffer_len: int | None = flag(None, "DAPO overlong shaping: penalize the last N tokens before the max length")
+    overlong_penalty_factor: float = flag(1.0, "DAPO overlong shaping: penalty at the max length")
     eps_clip: float = flag(0.2, "PPO clip range (low)")
     eps_clip_high: float | None = flag(None, "PPO clip range (high; default --eps-clip)")
     eps_clip_c: float | None = flag(None, "dual-clip constant c (> 1)")
     use_kl_loss: bool = flag(False, "add a KL loss against the reference (initial) model")
     kl_loss_coef: float = flag(0.0, "KL loss coefficient")
     kl_loss_type: str = flag("k1", "k1 | k2 | k3 | low_var_kl")
-    kl_coef: float = flag(0.0, "KL penalty in the reward (PPO-style); not combined with --kl-loss-coef")
+    kl_coef: float = flag(0.0, "KL penalty folded into the token rewards (reinforce_plus_plus*)")
+    use_unbiased_kl: bool = flag(False, "KL loss times the importance ratio (unbiased off-policy estimate)")
     entropy_coef: float = flag(0.0, "entropy bonus coefficient")
     use_tis: bool = flag(False, "truncated importance sampling against the engine's log-probs")
     tis_clip: float = flag(2.0, "TIS weight cap")
+    tis_clip_low: float = flag(0.0, "TIS weight floor")
+    use_rollout_logprobs: bool = flag(False, "old log-probs from the engine (no trainer forward for them)")
     calculate_per_token_loss: bool = flag(False, "average the loss over all response tokens of the step")
     skip_actor_forward_only: bool | None = flag(None, "reuse training log-probs as old log-probs (default: when exact)")
 
@@ -258,12 +270,29 @@ def validate(cfg: Config, command: str = "train") -> None:
     _need(len(e.eval_prompt_data) % 2 == 0, "--eval-prompt-data", "expects pairs: name path [name path ...]")
     _need(e.eval_interval is None or e.eval_interval >= 1, "--eval-interval", "must be >= 1")
     _need(e.n_samples_per_eval_prompt >= 1, "--n-samples-per-eval-prompt", "must be >= 1")
-    _need(a.advantage_estimator == "grpo", "--advantage-estimator", f"unknown estimator {a.advantage_estimator!r} (grpo)")
+    estimators = ("grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+    _need(a.advantage_estimator != "ppo", "--advantage-estimator",
+          "ppo needs a critic (value model), which furlong does not have yet; use grpo, rloo or reinforce_plus_plus")
+    _need(a.advantage_estimator in estimators, "--advantage-estimator",
+          f"unknown estimator {a.advantage_estimator!r} ({', '.join(estimators)})")
+    _need(a.loss_agg_mode in ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"), "--loss-agg-mode",
+          f"unknown mode {a.loss_agg_mode!r} (seq-mean-token-mean, token-mean, seq-mean-token-sum-norm)")
+    _need(not (a.calculate_per_token_loss and a.loss_agg_mode not in ("seq-mean-token-mean", "token-mean")),
+          "--calculate-per-token-loss", f"means --loss-agg-mode token-mean, not {a.loss_agg_mode}")
+    _need(a.overlong_buffer_len is None or 1 <= a.overlong_buffer_len < r.rollout_max_response_len,
+          "--overlong-buffer-len", f"must be in [1, --rollout-max-response-len={r.rollout_max_response_len})")
+    _need(a.overlong_penalty_factor >= 0, "--overlong-penalty-factor", "must be >= 0")
+    _need(0 <= a.gamma <= 1, "--gamma", "must be in [0, 1]")
+    _need(0 <= a.lambd <= 1, "--lambd", "must be in [0, 1]")
+    _need(a.kl_coef >= 0, "--kl-coef", "must be >= 0")
+    _need(a.kl_coef == 0 or a.advantage_estimator.startswith("reinforce_plus_plus"), "--kl-coef",
+          f"the reward KL penalty applies to reinforce_plus_plus*, not {a.advantage_estimator} "
+          "(use --use-kl-loss --kl-loss-coef)")
+    _need(0 <= a.tis_clip_low <= a.tis_clip, "--tis-clip-low", "must be in [0, --tis-clip]")
     _need(a.kl_loss_type in ("k1", "k2", "k3", "low_var_kl"), "--kl-loss-type",
           f"unknown type {a.kl_loss_type!r} (k1, k2, k3, low_var_kl)")
     _need(not (a.kl_coef != 0 and a.kl_loss_coef != 0), "--kl-coef",
           "cannot be combined with a non-zero --kl-loss-coef (reward penalty and KL loss both on)")
-    _need(a.kl_coef == 0, "--kl-coef", "the reward KL penalty is not implemented; use --use-kl-loss --kl-loss-coef")
     _need(a.eps_clip > 0, "--eps-clip", "must be > 0")
     _need(a.eps_clip_c is None or a.eps_clip_c > 1, "--eps-clip-c", "must be > 1")
     _need(a.tis_clip > 0, "--tis-clip", "must be > 0")

@@ -116,26 +116,33 @@ def random_samples(seed, num, with_old=True):
     return samples, cur, ent
 
 
-def textbook(samples, cur, ent, prm, gbs, per_token):
-    """miles' objective, token by token in plain Python."""
+def textbook(samples, cur, ent, prm, gbs, per_token, constant_len=None):
+    """miles' objective, token by token in plain Python (constant_len: Dr.GRPO's token sum / L)."""
     sample_terms, all_tokens = [], []
     for s, lp_s, en_s in zip(samples, cur, ent):
         p, r = s.num_prompt_tokens, s.num_response_tokens
         mask = [1.0] * r if s.loss_mask is None else s.loss_mask.tolist()
         totals = []
+        olds = [lp_s[p - 1 + j].item() if s.old_log_probs is None else s.old_log_probs[j].item() for j in range(r)]
+        diffs = [lp_s[p - 1 + j].item() - olds[j] for j in range(r)]
+        # GSPO: every token's log-ratio is the sample's mean over its trained tokens
+        seq_lr = sum(m * d for m, d in zip(mask, diffs)) / sum(mask) if sum(mask) else 0.0
         for j in range(r):
             lp = lp_s[p - 1 + j].item()
-            old = lp if s.old_log_probs is None else s.old_log_probs[j].item()
-            pg = _ref_pg(lp, old, s.advantages[j].item(), prm.eps_clip, prm.eps_clip_high, prm.eps_clip_c)[0]
+            old = olds[j]
+            lp_for_ratio = old + seq_lr if prm.sequence_ratio else lp
+            pg = _ref_pg(lp_for_ratio, old, s.advantages[j].item(), prm.eps_clip, prm.eps_clip_high,
+                         prm.eps_clip_c)[0]
             if prm.use_tis:
-                pg *= min(max(math.exp(old - s.rollout_log_probs[j].item()), 0.0), prm.tis_clip)
+                pg *= min(max(math.exp(old - s.rollout_log_probs[j].item()), prm.tis_clip_low), prm.tis_clip)
             tot = pg
             if prm.use_kl_loss:
                 d = lp - s.ref_log_probs[j].item()
-                tot += prm.kl_loss_coef * {"k1": d, "k2": d * d / 2, "k3": math.exp(-d) - 1 + d}[prm.kl_loss_type]
+                kl = {"k1": d, "k2": d * d / 2, "k3": math.exp(-d) - 1 + d}[prm.kl_loss_type]
+                tot += prm.kl_loss_coef * kl * (math.exp(lp - old) if prm.use_unbiased_kl else 1.0)
             tot -= prm.entropy_coef * en_s[p - 1 + j].item()
             totals.append(tot)
-        num = sum(mask)
+        num = sum(mask) if constant_len is None else constant_len
         sample_terms.append(sum(m * t for m, t in zip(mask, totals)) / num if num else 0.0)
         all_tokens += [(m, t) for m, t in zip(mask, totals)]
     if per_token:
@@ -148,6 +155,9 @@ PARAMS = [
     LossParams(eps_clip=0.1, eps_clip_high=0.3, eps_clip_c=3.0, use_kl_loss=True, kl_loss_coef=0.3,
                kl_loss_type="k3", entropy_coef=0.01, use_tis=True, tis_clip=1.5),
     LossParams(eps_clip=0.2, eps_clip_high=0.2, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k2"),
+    LossParams(eps_clip=3e-4, eps_clip_high=4e-4, sequence_ratio=True),                       # GSPO
+    LossParams(eps_clip=0.2, eps_clip_high=0.28, sequence_ratio=True, use_tis=True, tis_clip=2.0, tis_clip_low=0.5,
+               use_kl_loss=True, kl_loss_coef=0.2, kl_loss_type="k1", use_unbiased_kl=True),
 ]
 
 
@@ -251,3 +261,29 @@ def test_bad_inputs_and_config():
     cfg.algo.eps_clip, cfg.algo.eps_clip_high, cfg.algo.use_tis = 0.1, 0.3, True
     prm = LossParams.from_config(cfg)
     assert (prm.eps_clip, prm.eps_clip_high, prm.use_tis, prm.tis_clip) == (0.1, 0.3, True, 2.0)
+
+
+def test_non_finite_values_on_masked_tokens_do_not_reach_the_loss():
+    """A NaN/inf log-ratio or KL on a token without loss weight is zeroed before the sum."""
+    samples, cur, ent = random_samples(5, 4)
+    samples[0].loss_mask = torch.ones(samples[0].num_response_tokens)
+    samples[0].loss_mask[0] = 0.0
+    samples[0].old_log_probs[0] = float("nan")
+    samples[0].ref_log_probs[0] = float("inf")
+    weights = token_loss_weights(samples, 4, False, 0)
+    mb = pack_micro_batch(samples, weights, [0, 1, 2, 3])
+    for prm in (PARAMS[1], PARAMS[4]):
+        loss, m = rl_loss(mb, torch.cat(cur), torch.cat(ent), prm)
+        assert torch.isfinite(loss) and torch.isfinite(m.stacked()).all()
+        loss.backward()
+        assert all(torch.isfinite(t.grad).all() for t in cur if t.grad is not None)
+
+
+@pytest.mark.parametrize("pi", [0, 3])
+def test_dr_grpo_constant_normalizer(pi):
+    """seq-mean-token-sum-norm: each sample's token sum over a constant length, over the batch size."""
+    prm = PARAMS[pi]
+    samples, cur, ent = random_samples(40 + pi, 7)
+    weights = token_loss_weights(samples, 7, False, 0, constant_len=11)
+    loss, _, _ = run_partition(samples, cur, ent, weights, [[0, 1, 2], [3, 4, 5, 6]], prm)
+    assert loss == pytest.approx(textbook(samples, cur, ent, prm, 7, False, constant_len=11), rel=1e-5, abs=1e-7)

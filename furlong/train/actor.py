@@ -307,9 +307,11 @@ class Actor:
         split, plans = self._plan_ranks(lengths)
         mine, num_mb = plans[ctx.rank], max(len(p) for p in plans)
         # global aggregation, known locally because every rank holds all of the step's samples
-        per_token = cfg.algo.calculate_per_token_loss
+        mode = cfg.algo.loss_agg_mode
+        per_token = cfg.algo.calculate_per_token_loss or mode == "token-mean"
+        constant = cfg.rollout.rollout_max_response_len if mode == "seq-mean-token-sum-norm" else None
         weights = token_loss_weights(samples, len(samples), per_token,
-                                     num_loss_tokens(samples) if per_token else 0)
+                                     num_loss_tokens(samples) if per_token else 0, constant)
         has_old = samples[0].old_log_probs is not None
         has_ref = samples[0].ref_log_probs is not None
         # entropy is always reported; it carries gradient only with --entropy-coef

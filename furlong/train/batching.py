@@ -6,8 +6,11 @@ samples) lives in planning.py; its public names are re-exported here, so
 
 Loss weights (`token_loss_weights`) carry the step's aggregation so that
 micro-batch losses simply add up (see losses.py):
-  default  : weight = mask / (num_masked_tokens(sample) * global_batch_size)
-  per-token: weight = mask / global_num_loss_tokens  (all ranks' micro-batches)
+  default  : weight = mask / (num_masked_tokens(sample) * global_batch_size)   (seq-mean-token-mean)
+  per-token: weight = mask / global_num_loss_tokens  (all ranks' micro-batches; token-mean, DAPO)
+  constant : weight = mask / (constant_len * global_batch_size)  (seq-mean-token-sum-norm, Dr.GRPO:
+             a token sum over a constant, the max response length, so long and short responses'
+             tokens weigh the same)
 
 Packing (`pack_micro_batch`): samples are concatenated into one row. Position
 t predicts targets[t]; for a sample with P prompt tokens, response token j is
@@ -38,11 +41,12 @@ def num_loss_tokens(samples: list[TrainSample]) -> int:
 
 
 def token_loss_weights(samples: list[TrainSample], global_batch_size: int, per_token: bool,
-                       global_num_response_tokens: int) -> list[torch.Tensor]:
+                       global_num_response_tokens: int, constant_len: int | None = None) -> list[torch.Tensor]:
     """Aggregation weight [R] of each response token of each sample (see module docstring).
 
     global_num_response_tokens (per-token mode only) counts the trained tokens of
     the whole optimizer step on all ranks (num_loss_tokens, all-reduced).
+    constant_len (Dr.GRPO's constant normalizer) replaces each sample's token count.
     """
     if global_batch_size < 1:
         raise ValueError(f"--global-batch-size: must be >= 1, got {global_batch_size}")
@@ -51,7 +55,9 @@ def token_loss_weights(samples: list[TrainSample], global_batch_size: int, per_t
         m = _mask(s)
         if m.numel() != s.num_response_tokens:
             raise ValueError(f"loss_mask: length {m.numel()} != {s.num_response_tokens} response tokens")
-        if per_token:
+        if constant_len is not None:
+            out.append(m / (constant_len * global_batch_size))
+        elif per_token:
             out.append(m / max(global_num_response_tokens, 1))
         else:
             # clamp: a fully masked sample gets zero weights instead of 0/0.

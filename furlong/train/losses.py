@@ -4,10 +4,18 @@ Per response token, with logp the current policy, old the policy that the
 advantages refer to, ref the reference model and rollout the engine:
 
     ratio = exp(clamp(logp - old, -20, 20))
+            (GSPO, --advantage-estimator gspo: the log-ratio is the sample's mean over its
+            trained tokens, shared by all of them; gradients flow through the mean)
     pg    = max(-ratio*A, -clamp(ratio, 1-eps_clip, 1+eps_clip_high)*A)
             (dual clip, A < 0 only: pg = min(pg, -c*A))
-    pg   *= clamp(exp(old - rollout), 0, tis_clip)        (--use-tis; detached)
-    total = pg + kl_loss_coef * KL(logp, ref) - entropy_coef * entropy
+    pg   *= clamp(exp(old - rollout), tis_clip_low, tis_clip)   (--use-tis; detached)
+    KL    = estimator(logp - ref)  (* ratio with --use-unbiased-kl: an unbiased estimate of the
+            current policy's KL from samples of the old one)
+    total = pg + kl_loss_coef * KL - entropy_coef * entropy
+
+Tokens that carry no loss (weight 0: prompt positions, masked response tokens)
+are zeroed before the sum, so a NaN/inf there (e.g. a huge log-ratio on a
+masked token) cannot make the loss NaN.
 
 The micro-batch loss is `sum(total * loss_weight)`. The weights (built in
 batching.token_loss_weights) already hold the aggregation — a sample's token
@@ -36,13 +44,14 @@ LOW_VAR_KL_CLAMP = 10.0
 
 def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
                 eps_clip: float, eps_clip_high: float, eps_clip_c: float | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                log_ratio: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate per token.
 
     Returns (pg [T], clipfrac [T] float: 1 where the clipped branch is the max,
-    ppo_kl [T] = old - logp).
+    ppo_kl [T] = old - logp). `log_ratio` overrides logp - old (GSPO's sequence ratio).
     """
-    log_ratio = log_probs - old_log_probs
+    if log_ratio is None:
+        log_ratio = log_probs - old_log_probs
     ratio = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     unclipped = -ratio * advantages
     clipped = -torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_clip_high) * advantages
@@ -90,9 +99,24 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) 
     return fn(log_probs - ref_log_probs)
 
 
-def tis_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, clip: float) -> torch.Tensor:
-    """Truncated importance weights [T] = clamp(exp(old - rollout), 0, clip), no gradient."""
-    return torch.clamp(torch.exp(old_log_probs.detach() - rollout_log_probs), 0.0, clip)
+def tis_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, clip: float,
+                clip_low: float = 0.0) -> torch.Tensor:
+    """Truncated importance weights [T] = clamp(exp(old - rollout), clip_low, clip), no gradient."""
+    return torch.clamp(torch.exp(old_log_probs.detach() - rollout_log_probs), clip_low, clip)
+
+
+def sequence_mean_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """GSPO: each position gets its sample's mean of log_ratio over the sample's masked-in
+    tokens [T] (differentiable; samples bounded by cu_seqlens [N+1], positions past the last are 0)."""
+    total = log_ratio.shape[0]
+    seg = torch.searchsorted(cu_seqlens[1:].to(log_ratio.device).long(),
+                             torch.arange(total, device=log_ratio.device), right=True)   # [T] sample index
+    seg = seg.clamp(max=cu_seqlens.numel() - 2)
+    num = cu_seqlens.numel() - 1
+    m = mask.to(log_ratio.dtype)
+    sums = torch.zeros(num, dtype=log_ratio.dtype, device=log_ratio.device).index_add(0, seg, log_ratio * m)
+    counts = torch.zeros(num, dtype=log_ratio.dtype, device=log_ratio.device).index_add(0, seg, m)
+    return (sums / counts.clamp(min=1))[seg]
 
 
 @dataclass
@@ -107,6 +131,9 @@ class LossParams:
     entropy_coef: float = 0.0
     use_tis: bool = False
     tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
+    use_unbiased_kl: bool = False
+    sequence_ratio: bool = False         # GSPO
 
     @classmethod
     def from_config(cls, cfg) -> "LossParams":
@@ -114,7 +141,9 @@ class LossParams:
         a = cfg.algo
         return cls(eps_clip=a.eps_clip, eps_clip_high=cfg.eps_clip_high, eps_clip_c=a.eps_clip_c,
                    use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
-                   entropy_coef=a.entropy_coef, use_tis=a.use_tis, tis_clip=a.tis_clip)
+                   entropy_coef=a.entropy_coef, use_tis=a.use_tis, tis_clip=a.tis_clip,
+                   tis_clip_low=a.tis_clip_low, use_unbiased_kl=a.use_unbiased_kl,
+                   sequence_ratio=a.advantage_estimator == "gspo")
 
 
 @dataclass
@@ -148,7 +177,7 @@ class LossMetrics:
 
 
 def _wsum(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return (x.detach().float() * weight).sum()
+    return torch.where(weight != 0, x.detach().float() * weight, 0.0).sum()
 
 
 def rl_loss(mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor | None,
@@ -164,21 +193,33 @@ def rl_loss(mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor | Non
     if params.use_kl_loss and mb.ref_log_probs is None:
         raise ValueError("--use-kl-loss: micro-batch has no reference log-probs")
     w = mb.loss_weight
-    old = log_probs.detach() if mb.old_log_probs is None else mb.old_log_probs
-    pg, clipfrac, ppo_kl = policy_loss(log_probs, old, mb.advantages,
-                                       params.eps_clip, params.eps_clip_high, params.eps_clip_c)
+    live = w != 0                        # tokens that carry loss; everything else is zeroed before sums
+    # Off the live tokens, the other log-probs are replaced by the current ones (log-ratio 0, KL 0),
+    # so a NaN/inf there reaches neither the loss nor, through 0 * NaN, the gradient.
+    cur = log_probs.detach()
+    old = cur if mb.old_log_probs is None else torch.where(live, mb.old_log_probs, cur)
+    ref = None if mb.ref_log_probs is None else torch.where(live, mb.ref_log_probs, cur)
+    rollout = torch.where(live, mb.rollout_log_probs, old)
+    log_ratio = log_probs - old
+    if params.sequence_ratio:
+        log_ratio = sequence_mean_log_ratio(torch.where(live, log_ratio, 0.0), live, mb.cu_seqlens)
+    pg, clipfrac, ppo_kl = policy_loss(log_probs, old, mb.advantages, params.eps_clip, params.eps_clip_high,
+                                       params.eps_clip_c, log_ratio=log_ratio)
     if params.use_tis:
-        pg = pg * tis_weights(old, mb.rollout_log_probs, params.tis_clip)
+        pg = pg * tis_weights(old, rollout, params.tis_clip, params.tis_clip_low)
     total = pg
     zero = torch.zeros((), device=w.device)
     kl_metric = zero
     if params.use_kl_loss:
-        kl = kl_penalty(log_probs, mb.ref_log_probs, params.kl_loss_type)
+        kl = kl_penalty(log_probs, ref, params.kl_loss_type)
+        if params.use_unbiased_kl:
+            kl = kl * torch.exp(torch.clamp(log_probs - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        kl = torch.where(live, kl, 0.0)
         total = total + params.kl_loss_coef * kl
         kl_metric = _wsum(kl, w)
     if params.entropy_coef != 0:
         total = total - params.entropy_coef * entropy
-    loss = (total * w).sum()
+    loss = (torch.where(live, total, 0.0) * w).sum()
     metrics = LossMetrics(
         loss=loss.detach().float(),
         pg_loss=_wsum(pg, w),
@@ -186,7 +227,7 @@ def rl_loss(mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor | Non
         ppo_kl=_wsum(ppo_kl, w),
         kl_loss=kl_metric,
         entropy=zero if entropy is None else _wsum(entropy, w),
-        rollout_logprob_abs_diff=_wsum((log_probs.detach() - mb.rollout_log_probs).abs(), w),
+        rollout_logprob_abs_diff=_wsum((cur - rollout).abs(), w),
     )
     return loss, metrics
 
