@@ -207,3 +207,12 @@ def test_weight_sync_by_name_reaches_the_fused_engine_weights(ckpt, prompts, tmp
     out = eng.generate([Request(1 + i, p, greedy(8)) for i, p in enumerate(prompts[:3])])
     for p, comps in zip(prompts, out):
         assert comps[0].token_ids == reference_greedy(other, p, 8)
+
+
+def test_top_k_1_is_greedy_at_any_temperature(ckpt, prompts):
+    """--eval-top-k 1 with --rollout-temperature 1 (the reference flag block's eval): argmax tokens."""
+    model, _ = ckpt
+    params = SamplingParams(temperature=1.0, top_k=1, max_new_tokens=10, ignore_eos=True)
+    out = engine(ckpt).generate([Request(i, p, params, seed=i) for i, p in enumerate(prompts)])
+    for p, comps in zip(prompts, out):
+        assert comps[0].token_ids == reference_greedy(model, p, 10)

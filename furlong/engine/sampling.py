@@ -54,7 +54,7 @@ class SamplingParams:
     @property
     def truncates(self) -> bool:
         """True when top-k/top-p cut the candidate set (the slower, sorting sampler path)."""
-        return self.temperature > 0 and (self.top_k > 1 or self.top_p < 1.0)
+        return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1.0)
 
     @classmethod
     def for_rollout(cls, cfg: "Config", seed: int | None = None) -> "SamplingParams":
