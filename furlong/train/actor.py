@@ -148,7 +148,7 @@ class Actor:
         self.loss_fn = LOSSES[loss]
         self.loss_params = LossParams.from_config(cfg)
         self.param_dtype = default_param_dtype(ctx.device, cfg.parallel.dtype)
-        ref = copy.deepcopy(model) if cfg.algo.use_kl_loss else None
+        ref = copy.deepcopy(model) if cfg.algo.use_kl_loss or cfg.algo.kl_coef > 0 else None
         model.gradient_checkpointing = cfg.batch.gradient_checkpointing
         self.model = self._shard(model)
         self.model.train()
