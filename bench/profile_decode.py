@@ -1,5 +1,6 @@
-"""Where one decode step's time goes (device): the decode probe's shape (B rows, mean context
-prompt + new/2) on random Qwen3-0.6B weights, profiled with torch.profiler over eager steps
+"""Where one decode step's time goes (device), kernels grouped by kind.
+
+The decode probe's shape (B rows, mean context prompt + new/2) on random Qwen3-0.6B weights, profiled with torch.profiler over eager steps
 (the same kernels the CUDA graph replays), kernels grouped by kind; plus the graphed step's time.
 
     python3 bench/profile_decode.py [--batch 256] [--context 384] [--out DIR]

@@ -1,5 +1,6 @@
-"""--gradient-checkpointing on the GPU (device): the seed step trained with recompute and compiled
-layers at 32768 and at 200000 tokens per micro-batch; tok/s and peak memory of each.
+"""--gradient-checkpointing on the GPU (device): the seed step with recompute, tok/s and memory.
+
+The seed step trained with recompute and compiled layers at 32768 and at 200000 tokens per micro-batch; tok/s and peak memory of each.
 
     python3 bench/recompute_gpu.py [--budgets 32768,200000] [--out DIR]
 The same step without recompute at 32768 is the bench's `train` part (BENCHMARKS.md).

@@ -1,5 +1,6 @@
-"""--gradient-checkpointing: recompute gives the loss, gradients and update of the plain step,
-in bf16 as on the GPU (fp32 alone hid a dtype mismatch between saved and recomputed tensors);
+"""--gradient-checkpointing: recompute trains exactly like the plain step (bf16 too); MFU peaks.
+
+Recompute gives the loss, gradients and update of the plain step, in bf16 as on the GPU (fp32 alone hid a dtype mismatch between saved and recomputed tensors);
 and the MFU peak comes from the device in use."""
 from __future__ import annotations
 

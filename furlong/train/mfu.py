@@ -1,5 +1,6 @@
-"""Model FLOPs utilisation: 6 * params FLOPs per trained token (forward + backward; attention
-ignored) over the peak dense bf16 rate of the GPUs in use.
+"""Model FLOPs utilisation, with the peak rate of the GPU in use.
+
+6 * params FLOPs per trained token (forward + backward; attention ignored) over the peak dense bf16 rate of the GPUs in use.
 
 The peak comes from the device itself: a table of datasheet dense bf16 rates by device name, or,
 for a GPU the table does not know, a short measurement (the best of a few 8192^3 bf16 matmuls;
