@@ -1,5 +1,6 @@
-"""The rollout engine on CPU: continuous batching, paged KV with prefix sharing and preemption,
-sampling and stopping, against plain no-cache loops over the same model."""
+"""The rollout engine on CPU against plain no-cache loops over the same model.
+
+Continuous batching, paged KV with prefix sharing and preemption, sampling and stopping."""
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,8 @@
-"""GPU checks of the engine (skipped without CUDA): the Triton kernels against the exact
-references, the whole engine against a no-cache argmax loop with CUDA graphs on, and the
-engine-vs-trainer log-prob gap in bf16."""
+"""GPU checks of the engine (skipped without CUDA).
+
+The Triton kernels against the exact references, the whole engine against a no-cache argmax
+loop with CUDA graphs on, graphs across cache releases, weight sync, and the engine-vs-trainer
+log-prob gap in bf16."""
 from __future__ import annotations
 
 import pytest
