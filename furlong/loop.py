@@ -10,32 +10,13 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from furlong.config import Config
-from furlong.metrics import MetricsLogger, Progress, progress_line
+from furlong.metrics import Progress, progress_line
 from furlong.run_setup import RunParts, build_run, write_eval_samples
-from furlong.train.advantages import get_advantage_fn
-from furlong.types import Group, TrainSample
-
-
-def to_train_samples(groups: list[Group], cfg: Config) -> list[TrainSample]:
-    """Groups -> trainer samples with per-token advantages (GRPO: one value per sample)."""
-    rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # [G, n]
-    adv = get_advantage_fn(cfg.algo.advantage_estimator)(rewards, not cfg.algo.disable_grpo_std_normalization)
-    out = []
-    for gi, g in enumerate(groups):
-        for si, s in enumerate(g.samples):
-            num_r = len(s.response_ids)
-            out.append(TrainSample(
-                token_ids=torch.tensor(s.prompt.token_ids + s.response_ids, dtype=torch.long),
-                num_prompt_tokens=len(s.prompt.token_ids),
-                advantages=torch.full((num_r,), float(adv[gi, si])),
-                rollout_log_probs=torch.tensor(s.rollout_log_probs, dtype=torch.float32),
-            ))
-    return out
+from furlong.train.train_samples import build_train_samples
 
 
 @dataclass
@@ -88,7 +69,8 @@ def run_rl(cfg: Config, ctx) -> int:
     parts = build_run(cfg, ctx, with_actor=True)   # validates every input before anything is written
     actor, logger = parts.actor, parts.logger
     ci = CiChecker(cfg.log.ci_metric_checker_key if cfg.log.ci_test else None,
-                   cfg.log.ci_metric_checker_threshold, cfg.log.ci_test and not cfg.log.ci_disable_kl_checker)
+                   cfg.log.ci_metric_checker_threshold,
+                   cfg.log.ci_test and not cfg.log.ci_disable_kl_checker and not cfg.algo.use_rollout_logprobs)
     num_rollout = cfg.rollout.num_rollout
     progress = Progress(num_rollout, start_step=parts.start_rollout)
     eval_every = cfg.eval.eval_interval
@@ -104,15 +86,7 @@ def run_rl(cfg: Config, ctx) -> int:
         t_step = time.perf_counter()
         batch = parts.rollout(rollout_id)   # frees the engine's KV cache for the trainer (colocated)
 
-        samples = to_train_samples(batch.groups, cfg)
-        t = time.perf_counter()
-        if not actor.reuses_old_log_probs(len(samples)):
-            for s, lp in zip(samples, actor.compute_log_probs(samples, which="old")):
-                s.old_log_probs = lp
-        if cfg.algo.use_kl_loss:
-            for s, lp in zip(samples, actor.compute_log_probs(samples, which="ref")):
-                s.ref_log_probs = lp
-        t_logp = time.perf_counter() - t
+        samples, t_logp = build_train_samples(batch.groups, cfg, actor)   # advantages, old/ref log-probs
 
         t = time.perf_counter()
         tm = actor.train_step(samples)

@@ -1,0 +1,84 @@
+"""Kept groups -> trainer samples: reward shaping, the log-prob passes the estimator needs, advantages.
+
+Order (DESIGN.md §5): rewards are shaped first (DAPO's overlong penalty); old
+log-probs come from the engine (`--use-rollout-logprobs`), from a separate
+trainer forward (when the training forward cannot supply them: several
+optimizer steps per rollout, or a KL penalty in the reward that needs them
+before training), or later from the training forward itself (one step: exact);
+reference log-probs when a KL term needs them; then the estimator named by
+--advantage-estimator, and `--normalize-advantages` whitening (always on for the
+reinforce_plus_plus family, which miles requires it for). Every rank holds
+the whole batch here, so batch statistics are global without a collective.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from furlong.config import Config
+from furlong.train.advantages import AdvantageInputs, AdvantageParams, get_estimator, whiten
+from furlong.train.losses import kl_penalty
+from furlong.train.shaping import overlong_penalty
+from furlong.types import Group, TrainSample
+
+
+def shaped_rewards(groups: list[Group], cfg: Config) -> torch.Tensor:
+    """[G, n] rewards after DAPO's overlong penalty (when --overlong-buffer-len is set)."""
+    a, max_len = cfg.algo, cfg.rollout.rollout_max_response_len
+    rows = []
+    for g in groups:
+        row = []
+        for s in g.samples:
+            r = float(s.reward)
+            if a.overlong_buffer_len is not None:
+                r += overlong_penalty(len(s.response_ids), max_len, a.overlong_buffer_len, a.overlong_penalty_factor)
+            row.append(r)
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def build_train_samples(groups: list[Group], cfg: Config, actor) -> tuple[list[TrainSample], float]:
+    """(samples with advantages and the log-probs the loss needs, seconds spent in log-prob passes)."""
+    a = cfg.algo
+    samples = [TrainSample(token_ids=torch.tensor(s.prompt.token_ids + s.response_ids, dtype=torch.long),
+                           num_prompt_tokens=len(s.prompt.token_ids),
+                           advantages=torch.zeros(len(s.response_ids)),
+                           rollout_log_probs=torch.tensor(s.rollout_log_probs, dtype=torch.float32))
+               for g in groups for s in g.samples]
+    kl_in_reward = a.kl_coef > 0
+    t = time.perf_counter()
+    if a.use_rollout_logprobs:
+        for s in samples:
+            s.old_log_probs = s.rollout_log_probs
+    elif kl_in_reward or not actor.reuses_old_log_probs(len(samples)):
+        for s, lp in zip(samples, actor.compute_log_probs(samples, which="old")):
+            s.old_log_probs = lp
+    if a.use_kl_loss or kl_in_reward:
+        for s, lp in zip(samples, actor.compute_log_probs(samples, which="ref")):
+            s.ref_log_probs = lp
+    seconds = time.perf_counter() - t
+
+    masks = [torch.ones(s.num_response_tokens) for s in samples]
+    kl = None
+    if kl_in_reward:
+        kl = [kl_penalty(s.old_log_probs, s.ref_log_probs, a.kl_loss_type) for s in samples]
+    inputs = AdvantageInputs(rewards=shaped_rewards(groups, cfg), response_masks=masks, kl=kl)
+    params = AdvantageParams(normalize_std=not a.disable_grpo_std_normalization, kl_coef=a.kl_coef,
+                             gamma=a.gamma, lambd=a.lambd)
+    if a.disable_rewards_normalization and a.advantage_estimator in ("grpo", "gspo", "reinforce_plus_plus_baseline"):
+        # raw rewards (no group mean, no std), as miles skips its reward normalisation; the
+        # baseline variant keeps its per-token KL penalty
+        raw = inputs.rewards.flatten().tolist()
+        advantages = [torch.full((s.num_response_tokens,), float(r)) for s, r in zip(samples, raw)]
+        if kl is not None:
+            advantages = [adv - a.kl_coef * k for adv, k in zip(advantages, kl)]
+    else:
+        advantages, _ = get_estimator(a.advantage_estimator)(inputs, params)
+    # miles requires whitening for the reinforce_plus_plus family (its returns are not centred);
+    # furlong applies it for them whether or not --normalize-advantages is given.
+    if a.normalize_advantages or a.advantage_estimator.startswith("reinforce_plus_plus"):
+        advantages = whiten(advantages, masks, None)
+    for s, adv in zip(samples, advantages):
+        s.advantages = adv.float()
+    return samples, seconds

@@ -1,0 +1,104 @@
+"""Kept groups -> trainer samples: each estimator and flag reaches the advantages and log-probs
+the loss sees (a fake actor supplies the log-prob passes)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from furlong.config import Config
+from furlong.train.advantages import AdvantageInputs, AdvantageParams, get_estimator, whiten
+from furlong.train.shaping import overlong_penalty
+from furlong.train.train_samples import build_train_samples
+from furlong.types import Group, Prompt, Sample
+
+
+class FakeActor:
+    def __init__(self, reuse: bool):
+        self.reuse, self.calls = reuse, []
+
+    def reuses_old_log_probs(self, num: int) -> bool:
+        return self.reuse
+
+    def compute_log_probs(self, samples, which: str):
+        self.calls.append(which)
+        shift = -0.5 if which == "old" else -0.8
+        return [torch.full((s.num_response_tokens,), shift) + 0.01 * torch.arange(s.num_response_tokens)
+                for s in samples]
+
+
+def groups(seed=0, num=3, n=4):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for gi in range(num):
+        p = Prompt(row=gi, raw="", text="", token_ids=[1, 2, 3], label="")
+        samples = []
+        for j in range(n):
+            r = int(torch.randint(1, 12, (1,), generator=g))
+            samples.append(Sample(prompt=p, group_id=gi, index=j, response_ids=[5] * r, response_text="",
+                                  rollout_log_probs=(-torch.rand(r, generator=g)).tolist(),
+                                  finish_reason="stop", reward=float(torch.randint(0, 2, (1,), generator=g))))
+        out.append(Group(gi, samples))
+    return out
+
+
+def cfg(**algo) -> Config:
+    c = Config()
+    c.rollout.rollout_max_response_len = 12
+    for k, v in algo.items():
+        setattr(c.algo, k, v)
+    return c
+
+
+@pytest.mark.parametrize("name", ["grpo", "gspo", "rloo"])
+def test_scalar_estimators_reach_the_samples(name):
+    gs = groups()
+    actor = FakeActor(reuse=True)
+    samples, _ = build_train_samples(gs, cfg(advantage_estimator=name), actor)
+    rewards = torch.tensor([grp.rewards for grp in gs])
+    masks = [torch.ones(s.num_response_tokens) for s in samples]
+    want, _ = get_estimator(name)(AdvantageInputs(rewards, masks, None), AdvantageParams())
+    for s, w in zip(samples, want):
+        torch.testing.assert_close(s.advantages, w)
+        assert s.old_log_probs is None and s.ref_log_probs is None     # reused from the training forward
+    assert actor.calls == []
+
+
+def test_reinforce_pp_kl_in_reward_needs_old_and_ref_and_is_whitened():
+    gs = groups(1)
+    actor = FakeActor(reuse=True)
+    c = cfg(advantage_estimator="reinforce_plus_plus", kl_coef=0.1, gamma=0.9)
+    samples, _ = build_train_samples(gs, c, actor)
+    assert actor.calls == ["old", "ref"]                    # the reward's KL needs both before training
+    kl = [s.old_log_probs - s.ref_log_probs for s in samples]   # k1 (the default --kl-loss-type)
+    masks = [torch.ones(s.num_response_tokens) for s in samples]
+    raw, _ = get_estimator("reinforce_plus_plus")(
+        AdvantageInputs(torch.tensor([grp.rewards for grp in gs]), masks, kl), AdvantageParams(kl_coef=0.1, gamma=0.9))
+    for s, w in zip(samples, whiten(raw, masks, None)):
+        torch.testing.assert_close(s.advantages, w)
+    allv = torch.cat([s.advantages for s in samples])
+    assert abs(allv.mean().item()) < 1e-5
+
+
+def test_flags_rollout_logprobs_overlong_normalize_and_raw_rewards():
+    gs = groups(2)
+    actor = FakeActor(reuse=False)
+    samples, _ = build_train_samples(gs, cfg(use_rollout_logprobs=True), actor)
+    assert actor.calls == [] and all(torch.equal(s.old_log_probs, s.rollout_log_probs) for s in samples)
+
+    c = cfg(overlong_buffer_len=4, overlong_penalty_factor=2.0, disable_rewards_normalization=True)
+    samples, _ = build_train_samples(gs, c, FakeActor(reuse=True))
+    flat = [s for grp in gs for s in grp.samples]
+    for s, smp in zip(samples, flat):
+        want = smp.reward + overlong_penalty(len(smp.response_ids), 12, 4, 2.0)
+        torch.testing.assert_close(s.advantages, torch.full((len(smp.response_ids),), want))
+    assert any(len(smp.response_ids) > 8 for smp in flat)    # some responses were penalized
+
+    samples, _ = build_train_samples(gs, cfg(normalize_advantages=True), FakeActor(reuse=True))
+    allv = torch.cat([s.advantages for s in samples])
+    assert abs(allv.mean().item()) < 1e-5 and allv.std().item() == pytest.approx(1.0, rel=1e-3)
+
+
+def test_overlong_penalty_formula():
+    assert overlong_penalty(8, 12, 4, 1.0) == 0.0
+    assert overlong_penalty(10, 12, 4, 1.0) == -0.5
+    assert overlong_penalty(12, 12, 4, 2.0) == -2.0
