@@ -183,10 +183,10 @@ def test_builtin_math_reward_fn():
 
 
 def test_registry_errors(tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match=r"--rm-type: unknown reward 'x' \(math\)"):
+    with pytest.raises(ValueError, match=r"--rm-type: unknown reward 'x' \(dapo, deepscaler, math\)"):
         get_reward_fn("x", None)
-    with pytest.raises(ValueError, match="--rm-type: unknown reward 'dapo'"):
-        score("dapo", "a", "b")
+    with pytest.raises(ValueError, match="--rm-type: unknown reward 'gemma_math'"):
+        score("gemma_math", "a", "b")
     with pytest.raises(ValueError, match="--rm-type"):
         get_reward_fn(None, None)
     with pytest.raises(ValueError, match="--custom-rm-path: cannot import module 'no_such_mod_zz'"):

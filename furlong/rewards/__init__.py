@@ -1,6 +1,8 @@
 """Rewards: the math answer checker, the name registry and offline scoring.
 
-Stable public API: `score(rm_type, response, label) -> float`.
+Built-in `--rm-type`s: `math` (math_reward), `deepscaler` and `dapo` (the answer
+rules of miles; deepscaler.py, dapo.py). Stable public API:
+`score(rm_type, response, label) -> float`.
 """
 from __future__ import annotations
 

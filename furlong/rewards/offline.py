@@ -22,9 +22,10 @@ from furlong.rewards.registry import get_scorer
 @dataclass
 class ScoreReport:
     num_rows: int        # rows scored
-    num_correct: int     # rows with score >= 1 (0/1 rewards: the correct ones)
-    accuracy: float      # mean score over the rows
+    num_correct: int     # rows with score >= 1: the correct ones (rewards are 1 when correct)
+    accuracy: float      # num_correct / num_rows (not the mean score: dapo scores wrong rows -1)
     output_path: str     # where the per-row scores were written
+    mean_score: float    # mean score over the rows
 
 
 def default_output_path(input_path: str | os.PathLike) -> Path:
@@ -75,4 +76,5 @@ def run_score(input_path: str | os.PathLike, rm_type: str, response_key: str = "
         raise
     num_correct = sum(1 for r in out_rows if r["score"] >= 1.0)
     return ScoreReport(num_rows=len(out_rows), num_correct=num_correct,
-                       accuracy=total / len(out_rows), output_path=str(dst))
+                       accuracy=num_correct / len(out_rows), output_path=str(dst),
+                       mean_score=total / len(out_rows))

@@ -1,8 +1,11 @@
 """Reward functions by name, custom rewards by import path, and batch evaluation.
 
 Built-in rewards score text: `fn(response, label) -> float`, picked by `--rm-type`
-from SCORERS. `--custom-rm-path pkg.module.function` names a plain or `async def`
-function taking ONE positional argument, the `furlong.types.Sample` (use
+from SCORERS: `math` (furlong's checker, 1/0; math_reward), `deepscaler`
+(boxed answer after `</think>`, 1/0; deepscaler) and `dapo` (DAPO's `Answer:`
+line, 1/-1; dapo), the last two with the answer rules of miles.
+`--custom-rm-path pkg.module.function` names a plain or `async def` function
+taking ONE positional argument, the `furlong.types.Sample` (use
 `sample.response_text`, `sample.prompt.label`, `sample.prompt.raw`, ...), and
 returning a number; it wins over `--rm-type`, as in miles. Deviation from miles:
 miles calls custom rewards as `fn(args, sample)`; furlong has no miles `args`
@@ -15,14 +18,20 @@ import asyncio
 import concurrent.futures
 import importlib
 import inspect
-from typing import Any, Awaitable, Callable
+from types import MappingProxyType
+from typing import Any, Awaitable, Callable, Mapping
 
+from furlong.rewards.dapo import dapo_score
+from furlong.rewards.deepscaler import deepscaler_score
 from furlong.rewards.math_reward import math_score
 from furlong.types import Sample
 
-SCORERS: dict[str, Callable[[str, str], float]] = {
+# Read-only: the set of --rm-type names is fixed at import time.
+SCORERS: Mapping[str, Callable[[str, str], float]] = MappingProxyType({
     "math": math_score,
-}
+    "deepscaler": deepscaler_score,
+    "dapo": dapo_score,
+})
 
 RewardFn = Callable[[Sample], "float | Awaitable[float]"]
 
