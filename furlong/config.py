@@ -36,7 +36,7 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    rm_type: str | None = flag(None, "built-in reward: math")
+    rm_type: str | None = flag(None, "built-in reward: math | deepscaler | dapo")
     custom_rm_path: str | None = flag(None, "module.function computing a sample's reward (wins over --rm-type)")
 
 
