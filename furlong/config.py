@@ -156,6 +156,7 @@ class CheckpointConfig:
 @dataclass
 class LogConfig:
     output_dir: str | None = flag(None, "run directory (default runs/<date-time>)")
+    overwrite: bool = flag(False, "reuse an --output-dir that already holds a run (its files are replaced)")
     use_tensorboard: bool = flag(False, "write TensorBoard events")
     use_wandb: bool = flag(False, "log to Weights & Biases")
     wandb_project: str | None = flag(None, "wandb project")

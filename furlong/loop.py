@@ -108,9 +108,6 @@ def run_rl(cfg: Config, ctx) -> int:
             ci.observe(m)
             metrics.update(m)
             metrics["perf/eval_time"] = time.perf_counter() - te
-        if cfg.ckpt.save is not None and cfg.ckpt.save_interval and (rollout_id + 1) % cfg.ckpt.save_interval == 0:
-            parts.save(rollout_id)
-
         step_time = time.perf_counter() - t_step
         num_train_tokens = sum(s.num_tokens for s in samples)
         metrics.update({
@@ -123,8 +120,12 @@ def run_rl(cfg: Config, ctx) -> int:
         if torch.cuda.is_available():
             metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.reset_peak_memory_stats()
+        # The metrics line is on disk before the checkpoint's tracker moves past this rollout: a crash
+        # between the two repeats the line on resume (cut back then), never loses it.
         logger.log(rollout_id, metrics)
         logger.line(progress_line(rollout_id, num_rollout, metrics, progress.eta(rollout_id + 1)))
+        if cfg.ckpt.save is not None and cfg.ckpt.save_interval and (rollout_id + 1) % cfg.ckpt.save_interval == 0:
+            parts.save(rollout_id)
 
     if cfg.ckpt.save is not None and num_rollout > parts.start_rollout and not (
             cfg.ckpt.save_interval and num_rollout % cfg.ckpt.save_interval == 0):

@@ -78,13 +78,39 @@ class MetricsLogger:
         if not self.enabled:
             return
         clean = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}
-        self._file.write(json.dumps({"kind": kind, "step": step, **clean}) + "\n")
+        # NaN/inf are not JSON: written as null so every line stays parseable
+        row = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in clean.items()}
+        self._file.write(json.dumps({"kind": kind, "step": step, **row}) + "\n")
         if self._tb is not None:
             for k, v in clean.items():
                 if isinstance(v, float) and math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
+
+    def cut_back(self, last_step: int) -> int:
+        """On resume: drop rollout lines after `last_step` (the checkpoint loaded), so every step appears
+        exactly once, in order, when the run goes on. Rewritten atomically; returns lines dropped."""
+        if not self.enabled:
+            return 0
+        path = Path(self._file.name)
+        self._file.close()
+        kept, dropped = [], 0
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                dropped += 1          # a line torn by a crash mid-write
+                continue
+            if row.get("kind") == "rollout" and int(row.get("step", -1)) > last_step:
+                dropped += 1
+            else:
+                kept.append(line)
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(k + "\n" for k in kept))
+        os.replace(tmp, path)
+        self._file = open(path, "a", buffering=1)
+        return dropped
 
     def line(self, text: str) -> None:
         if self.enabled or self.stream is not sys.stdout:

@@ -125,7 +125,8 @@ class RunParts:
 
     def save(self, rollout_id: int) -> None:
         from furlong.train.checkpoint import save_checkpoint
-        save_checkpoint(self.cfg.ckpt.save, self.actor, rollout_id, sampler_state=self.dataset.state_dict())
+        path = save_checkpoint(self.cfg.ckpt.save, self.actor, rollout_id, sampler_state=self.dataset.state_dict())
+        self.logger.line(f"saved checkpoint {path} (after rollout {rollout_id + 1})")
 
     def mfu(self, num_tokens: int, seconds: float) -> float:
         """Training MFU: 6*N FLOPs per token over the peak of the GPUs in use (train/mfu.py)."""
@@ -169,6 +170,10 @@ def build_run(cfg: Config, ctx, with_actor: bool) -> RunParts:
     filter_fn = load_filter(cfg.rollout.dynamic_sampling_filter_path)
     if cfg.ckpt.load is not None and not (Path(cfg.ckpt.load) / "latest_checkpointed_iteration.txt").is_file():
         raise ValueError(f"--load: no latest_checkpointed_iteration.txt in {cfg.ckpt.load}")
+    out = default_output_dir(cfg)
+    if (out / "metrics.jsonl").exists() and cfg.ckpt.load is None and not cfg.log.overwrite:
+        raise ValueError(f"--output-dir: {out} already holds a run (metrics.jsonl); pass --load to continue it "
+                         "or --overwrite to replace it")
 
     # 2. models
     device = ctx.device
@@ -195,10 +200,11 @@ def build_run(cfg: Config, ctx, with_actor: bool) -> RunParts:
                 print(f"--max-tokens-per-gpu auto: chose {actor.max_tokens_per_gpu} tokens", flush=True)
 
     # 3. outputs (rank 0 writes)
-    out = default_output_dir(cfg)
     logger_enabled = ctx.rank == 0
     if logger_enabled:
         out.mkdir(parents=True, exist_ok=True)
+        if cfg.log.overwrite and cfg.ckpt.load is None and (out / "metrics.jsonl").exists():
+            (out / "metrics.jsonl").unlink()
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
     wandb = None
     if cfg.log.use_wandb and logger_enabled:
@@ -209,6 +215,7 @@ def build_run(cfg: Config, ctx, with_actor: bool) -> RunParts:
                  "config": cfg.to_dict()}
     logger = MetricsLogger(out, enabled=logger_enabled, use_tensorboard=cfg.log.use_tensorboard,
                            wandb_settings=wandb)
+    logger.line(f"run directory: {out}")
 
     parts = RunParts(cfg=cfg, ctx=ctx, output_dir=out, logger=logger, dataset=dataset, eval_sets=eval_sets,
                      engine=engine, reward_fn=reward_fn, filter_fn=filter_fn, actor=actor,
@@ -221,5 +228,7 @@ def build_run(cfg: Config, ctx, with_actor: bool) -> RunParts:
             dataset.load_state_dict(state.sampler_state)
             parts.start_rollout = state.rollout_id + 1
             parts.sync_weights()
-            logger.line(f"resumed from {cfg.ckpt.load} at rollout {parts.start_rollout}")
+            dropped = logger.cut_back(state.rollout_id)
+            logger.line(f"resumed from {state.path} (rollout {state.rollout_id + 1} done); {dropped} metrics "
+                        f"line(s) after it dropped from {out / 'metrics.jsonl'}")
     return parts

@@ -212,3 +212,33 @@ def test_algorithm_flags_run_end_to_end(assets, tmp_path, capsys, name):
     assert len(steps) == 2
     for r in steps:
         assert all(isinstance(r[k], float) and r[k] == r[k] for k in ("train/loss", "train/pg_loss", "train/grad_norm"))
+
+
+def test_resume_into_the_same_run_dir_logs_every_step_once(assets, tmp_path, capsys):
+    """A run killed after rollout 3's metrics line but before its checkpoint (tracker still at rollout 2)
+    resumes into the same --output-dir: metrics.jsonl ends with every step exactly once, in order."""
+    out, ck = tmp_path / "run", tmp_path / "ck"
+    assert main(_resume_flags(assets, out, 2, "--save", str(ck), "--save-interval", "2")) == 0
+    assert [r["step"] for r in read_metrics(out)] == [0, 1]
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "2"   # rollouts done
+    with open(out / "metrics.jsonl", "a") as f:                          # rollout 3 logged, then killed
+        f.write('{"kind": "rollout", "step": 2, "train/loss": 9.0}\n{"kind": "rollout", "step": 3, "torn')
+    capsys.readouterr()
+    assert main(_resume_flags(assets, out, 4, "--load", str(ck), "--save", str(ck))) == 0
+    printed = capsys.readouterr().out
+    assert "resumed from" in printed and "saved checkpoint" in printed and f"run directory: {out}" in printed
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and rows[2]["train/loss"] != 9.0
+
+
+def test_used_output_dir_is_refused_without_load_or_overwrite(assets, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_resume_flags(assets, out, 1)) == 0
+    before = (out / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert main(_resume_flags(assets, out, 1)) == 2
+    err = capsys.readouterr().err
+    assert "--output-dir" in err and "already holds a run" in err and len(err.strip().splitlines()) == 1
+    assert (out / "metrics.jsonl").read_text() == before                 # nothing touched
+    assert main(_resume_flags(assets, out, 1, "--overwrite")) == 0
+    assert [r["step"] for r in read_metrics(out)] == [0]

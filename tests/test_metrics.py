@@ -51,3 +51,13 @@ def test_wandb_missing_names_the_flag(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_wandb)
     with pytest.raises(ValueError, match="--use-wandb"):
         MetricsLogger(tmp_path, wandb_settings={"project": "p"})
+
+
+def test_non_finite_metrics_are_written_as_null(tmp_path):
+    import json as _json
+    from furlong.metrics import MetricsLogger
+    log = MetricsLogger(tmp_path)
+    log.log(0, {"a": float("nan"), "b": float("inf"), "c": 1.5})
+    log.close()
+    row = _json.loads((tmp_path / "metrics.jsonl").read_text())     # strict JSON parses
+    assert row["a"] is None and row["b"] is None and row["c"] == 1.5
