@@ -25,7 +25,7 @@ from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 from furlong.cli import main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+GSM8K_SAMPLE = Path(__file__).resolve().parent / "data" / "gsm8k"
 if str(ROOT) not in sys.path:   # so --custom-rm-path tests.rewards_for_tests.* imports in-process
     sys.path.insert(0, str(ROOT))
 REWARD = "tests.rewards_for_tests.index_reward"   # varies within every group; see that module
@@ -210,9 +210,7 @@ def test_dynamic_filter_all_zero_reward_stops(assets, tmp_path):
 # ---------------------------------------------------------------- other subcommands
 
 def test_prepare_gsm8k_counts(tmp_path, capsys):
-    src = SHARED / "data" / "gsm8k"
-    if not (src / "train.jsonl").is_file():
-        pytest.skip("../shared/data/gsm8k not present")
+    src = GSM8K_SAMPLE
     expect = {s: sum(1 for line in open(src / f"{s}.jsonl") if line.strip()) for s in ("train", "test")}
     code, out, _ = run_cli(["prepare", "gsm8k", "--input", str(src), "--output", str(tmp_path)], capsys)
     assert code == 0

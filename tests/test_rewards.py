@@ -15,7 +15,7 @@ from furlong.rewards.math_reward import answers_match, normalize, to_number
 from furlong.rewards.offline import ScoreReport, run_score
 from furlong.types import Prompt, Sample
 
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+GSM8K = Path(__file__).resolve().parent / "data" / "gsm8k"   # a sample shipped with the tests
 
 
 def math(response: str, label: str) -> float:
@@ -136,17 +136,16 @@ def test_label_in_boxed_form_and_non_string_like_labels():
 
 def _gsm8k_rows(name: str):
     path = GSM8K / f"{name}.jsonl"
-    if not path.exists():
-        pytest.skip(f"{path} not present")
+    assert path.exists(), f"{path}: the shipped GSM8K sample is missing"
     with path.open(encoding="utf-8") as f:
         return [json.loads(line)["answer"] for line in f if line.strip()]
 
 
 @pytest.mark.parametrize("split", ["test", "train"])
 def test_gsm8k_reference_solutions(split):
-    """Every reference solution earns 1 against its own label and 0 against label + 1 (full split; ~1 s)."""
+    """Every reference solution of the shipped sample earns 1 against its own label and 0 against label + 1."""
     answers = _gsm8k_rows(split)
-    assert len(answers) > 1000
+    assert len(answers) >= 150
     failures = []
     for n, answer in enumerate(answers, start=1):
         label = answer.rsplit("####", 1)[1].strip()
@@ -160,7 +159,7 @@ def test_gsm8k_reformatted_as_boxed_model_output():
     """The same labels, answered in the \\boxed{} style the prepared prompts ask for."""
     answers = _gsm8k_rows("test")
     rng = random.Random(0)
-    for answer in rng.sample(answers, 300):
+    for answer in rng.sample(answers, min(300, len(answers))):
         label = answer.rsplit("####", 1)[1].strip()
         body = answer.rsplit("####", 1)[0]
         styled = rng.choice([r"\boxed{%s}", r"\boxed{\$%s}", r"\boxed{%s \text{ dollars}}", "The answer is %s."])
