@@ -24,10 +24,11 @@ EXIT_RUN_FAILED = 1
 
 
 def _run_failure_types() -> tuple[type, ...]:
-    """RolloutError and CiFailure, imported only when an error is being classified."""
+    """RolloutError, CiFailure and RewardError, imported only when an error is being classified."""
     from furlong.loop import CiFailure
+    from furlong.rewards.registry import RewardError
     from furlong.rollout.rollout import RolloutError
-    return (RolloutError, CiFailure)
+    return (RolloutError, CiFailure, RewardError)
 
 
 def exit_code_for(e: BaseException) -> int | None:

@@ -34,3 +34,15 @@ def length_reward(sample: Sample) -> float:
 def zero_reward(sample: Sample) -> float:
     """Always 0: every group has zero reward std, so the dynamic filter drops all of them."""
     return 0.0
+
+
+def nan_reward(sample: Sample) -> float:
+    """NaN: a broken reward the run must refuse in one line."""
+    return float("nan")
+
+
+def raising_reward(sample: Sample) -> float:
+    """Raises on the second sample of a group: the error line names the function and the sample."""
+    if sample.index == 1:
+        raise KeyError("no label field 'answer'")
+    return 0.0

@@ -242,3 +242,15 @@ def test_used_output_dir_is_refused_without_load_or_overwrite(assets, tmp_path, 
     assert (out / "metrics.jsonl").read_text() == before                 # nothing touched
     assert main(_resume_flags(assets, out, 1, "--overwrite")) == 0
     assert [r["step"] for r in read_metrics(out)] == [0]
+
+
+@pytest.mark.parametrize("fn,needle", [("nan_reward", "is nan: rewards must be finite"),
+                                       ("raising_reward", "reward function raising_reward raised on sample "
+                                                          "(group 0, index 1): KeyError")])
+def test_broken_reward_stops_in_one_line(assets, tmp_path, capsys, fn, needle):
+    argv = _resume_flags(assets, tmp_path / "run", 2)
+    argv[argv.index("--custom-rm-path") + 1] = f"tests.rewards_for_tests.{fn}"
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "run" / "metrics.jsonl").read_text().strip()     # no step was logged

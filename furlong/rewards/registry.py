@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import importlib
+import math
 import inspect
 from types import MappingProxyType
 from typing import Any, Awaitable, Callable, Mapping
@@ -92,21 +93,41 @@ def get_reward_fn(rm_type: str | None, custom_rm_path: str | None) -> RewardFn:
     return _builtin(rm_type)
 
 
+class RewardError(RuntimeError):
+    """A reward function failed on a sample (raised, or returned a non-finite value): the run stops."""
+
+
+def _fn_name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
 def _as_float(value: Any, sample: Sample) -> float:
     try:
-        return float(value)
+        out = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"--custom-rm-path: reward for sample (group {sample.group_id}, "
                          f"index {sample.index}) is {type(value).__name__}, not a number") from None
+    if not math.isfinite(out):
+        raise RewardError(f"reward for sample (group {sample.group_id}, index {sample.index}) is {out}: rewards "
+                          "must be finite numbers")
+    return out
+
+
+def _call(fn: RewardFn, sample: Sample) -> Any:
+    try:
+        return fn(sample)
+    except Exception as e:   # a user's reward code: report which call failed, in one line
+        raise RewardError(f"reward function {_fn_name(fn)} raised on sample (group {sample.group_id}, index "
+                          f"{sample.index}): {type(e).__name__}: {e}".splitlines()[0]) from e
 
 
 async def _gather(pending: list[Awaitable[Any]]) -> list[Any]:
-    return list(await asyncio.gather(*pending))
+    return list(await asyncio.gather(*pending, return_exceptions=True))
 
 
 def compute_rewards(fn: RewardFn, samples: list[Sample]) -> list[float]:
     """Rewards of `samples` in order; coroutines from an async `fn` are awaited together."""
-    results = [fn(s) for s in samples]
+    results = [_call(fn, s) for s in samples]
     waiting = [i for i, r in enumerate(results) if inspect.isawaitable(r)]
     if waiting:
         pending = [results[i] for i in waiting]
@@ -121,5 +142,9 @@ def compute_rewards(fn: RewardFn, samples: list[Sample]) -> list[float]:
         else:
             done = asyncio.run(_gather(pending))
         for i, value in zip(waiting, done):
+            if isinstance(value, BaseException):
+                s = samples[i]
+                raise RewardError(f"reward function {_fn_name(fn)} raised on sample (group {s.group_id}, index "
+                                  f"{s.index}): {type(value).__name__}: {value}".splitlines()[0]) from value
             results[i] = value
     return [_as_float(r, s) for r, s in zip(results, samples)]
