@@ -165,6 +165,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return _run(argv)
+    except KeyboardInterrupt:
+        print("furlong: interrupted", file=sys.stderr)
+        return 130
     except UsageError as e:
         print(f"{e}", file=sys.stderr)
         return EXIT_USAGE

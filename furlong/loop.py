@@ -16,6 +16,7 @@ import torch
 from furlong.config import Config
 from furlong.metrics import Progress, progress_line
 from furlong.run_setup import RunParts, build_run, write_eval_samples
+from furlong.signals import StopRequest
 from furlong.train.train_samples import build_train_samples
 
 
@@ -67,13 +68,12 @@ def _run_evals(parts: RunParts, rollout_id: int) -> dict[str, float]:
 
 def run_rl(cfg: Config, ctx) -> int:
     parts = build_run(cfg, ctx, with_actor=True)   # validates every input before anything is written
-    actor, logger = parts.actor, parts.logger
+    logger = parts.logger
     ci = CiChecker(cfg.log.ci_metric_checker_key if cfg.log.ci_test else None,
                    cfg.log.ci_metric_checker_threshold,
                    cfg.log.ci_test and not cfg.log.ci_disable_kl_checker and not cfg.algo.use_rollout_logprobs)
     num_rollout = cfg.rollout.num_rollout
     progress = Progress(num_rollout, start_step=parts.start_rollout)
-    eval_every = cfg.eval.eval_interval
 
     if parts.eval_sets and not cfg.eval.skip_eval_before_train and parts.start_rollout == 0:
         t = time.perf_counter()
@@ -82,6 +82,23 @@ def run_rl(cfg: Config, ctx) -> int:
         logger.log(0, {**m, "perf/eval_time": time.perf_counter() - t}, kind="eval")
         logger.line("[eval before training] " + " | ".join(f"{k} {v:.3f}" for k, v in m.items()))
 
+    with StopRequest() as stop:
+        code = _rollouts(parts, ci, progress, stop)
+    if code:
+        logger.close()
+        return code
+    if cfg.ckpt.save is not None and num_rollout > parts.start_rollout and not (
+            cfg.ckpt.save_interval and num_rollout % cfg.ckpt.save_interval == 0):
+        parts.save(num_rollout - 1)   # always leave the final state on disk
+    logger.close()
+    ci.final()
+    return 0
+
+
+def _rollouts(parts: RunParts, ci: "CiChecker", progress: Progress, stop: StopRequest) -> int:
+    """The RL steps; 0, or 128 + signal when a SIGINT/SIGTERM stopped the run after a whole step."""
+    cfg, ctx, actor, logger = parts.cfg, parts.ctx, parts.actor, parts.logger
+    num_rollout, eval_every = cfg.rollout.num_rollout, cfg.eval.eval_interval
     for rollout_id in range(parts.start_rollout, num_rollout):
         t_step = time.perf_counter()
         batch = parts.rollout(rollout_id)   # frees the engine's KV cache for the trainer (colocated)
@@ -124,14 +141,16 @@ def run_rl(cfg: Config, ctx) -> int:
         # between the two repeats the line on resume (cut back then), never loses it.
         logger.log(rollout_id, metrics)
         logger.line(progress_line(rollout_id, num_rollout, metrics, progress.eta(rollout_id + 1)))
-        if cfg.ckpt.save is not None and cfg.ckpt.save_interval and (rollout_id + 1) % cfg.ckpt.save_interval == 0:
+        saved = cfg.ckpt.save is not None and cfg.ckpt.save_interval and (rollout_id + 1) % cfg.ckpt.save_interval == 0
+        if saved:
             parts.save(rollout_id)
-
-    if cfg.ckpt.save is not None and num_rollout > parts.start_rollout and not (
-            cfg.ckpt.save_interval and num_rollout % cfg.ckpt.save_interval == 0):
-        parts.save(num_rollout - 1)   # always leave the final state on disk
-    logger.close()
-    ci.final()
+        signum = stop.agreed(ctx.world_size, ctx.device)
+        if signum:
+            if cfg.ckpt.save is not None and not saved:
+                parts.save(rollout_id)
+            logger.line(f"furlong: stopped by signal {signum} after rollout {rollout_id + 1}/{num_rollout}"
+                        + (f"; resume with --load {cfg.ckpt.save}" if cfg.ckpt.save is not None else ""))
+            return 128 + signum
     return 0
 
 

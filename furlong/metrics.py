@@ -114,7 +114,13 @@ class MetricsLogger:
 
     def line(self, text: str) -> None:
         if self.enabled or self.stream is not sys.stdout:
-            print(text, file=self.stream, flush=True)
+            try:
+                print(text, file=self.stream, flush=True)
+            except (BrokenPipeError, ValueError, OSError):
+                # stdout was closed (`furlong train ... | head -1`): training goes on without printing,
+                # and the interpreter's final flush of stdout must not fail either
+                self.stream = open(os.devnull, "w")
+                sys.stdout = self.stream
 
     def close(self) -> None:
         if self._file is not None:

@@ -254,3 +254,40 @@ def test_broken_reward_stops_in_one_line(assets, tmp_path, capsys, fn, needle):
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "run" / "metrics.jsonl").read_text().strip()     # no step was logged
+
+
+def _start(argv: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "furlong", *argv], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_sigint_stops_after_the_step_saves_and_resumes(assets, tmp_path):
+    import signal
+    out, ck = tmp_path / "run", tmp_path / "ck"
+    proc = _start(_resume_flags(assets, out, 50, "--save", str(ck)))
+    for line in proc.stdout:
+        if line.startswith("[rollout 1/50]"):
+            proc.send_signal(signal.SIGINT)
+            break
+    rest, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert "Traceback" not in err
+    stopped = [ln for ln in rest.splitlines() if "stopped by signal" in ln]
+    assert len(stopped) == 1 and f"--load {ck}" in stopped[0]
+    done = int(stopped[0].split("after rollout ")[1].split("/")[0])
+    assert [r["step"] for r in read_metrics(out)] == list(range(done))
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == str(done)
+    p = run_proc(_resume_flags(assets, out, done + 1, "--load", str(ck)), timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert [r["step"] for r in read_metrics(out)] == list(range(done + 1))
+
+
+def test_closed_stdout_does_not_stop_training(assets, tmp_path):
+    out = tmp_path / "run"
+    proc = _start(_resume_flags(assets, out, 3))
+    proc.stdout.readline()            # `| head -1`: read one line, then close the pipe
+    proc.stdout.close()
+    assert proc.wait(timeout=180) == 0, proc.stderr.read()
+    assert [r["step"] for r in read_metrics(out)] == [0, 1, 2]
