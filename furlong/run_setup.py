@@ -33,6 +33,21 @@ def check_checkpoint_dir(path: str | None) -> Path:
     return p
 
 
+def check_writable(path: str | os.PathLike, flag_name: str) -> None:
+    """ValueError naming the flag unless `path` is (or can be created as) a writable directory.
+    Checked without writing anything: the path itself, or its nearest existing ancestor."""
+    p = Path(path).absolute()
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{flag_name}: {p} exists and is not a directory")
+    probe = p
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(f"{flag_name}: cannot create {p}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag_name}: {probe} is not writable")
+
+
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
     try:
@@ -171,6 +186,9 @@ def build_run(cfg: Config, ctx, with_actor: bool) -> RunParts:
     if cfg.ckpt.load is not None and not (Path(cfg.ckpt.load) / "latest_checkpointed_iteration.txt").is_file():
         raise ValueError(f"--load: no latest_checkpointed_iteration.txt in {cfg.ckpt.load}")
     out = default_output_dir(cfg)
+    check_writable(out, "--output-dir")
+    if cfg.ckpt.save is not None:
+        check_writable(cfg.ckpt.save, "--save")
     if (out / "metrics.jsonl").exists() and cfg.ckpt.load is None and not cfg.log.overwrite:
         raise ValueError(f"--output-dir: {out} already holds a run (metrics.jsonl); pass --load to continue it "
                          "or --overwrite to replace it")

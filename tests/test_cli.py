@@ -154,7 +154,21 @@ BAD_INPUTS = {
                             ["--kl-coef"]),
     "dynamic batch without budget": (lambda a, t: train_flags(a, t / "out", "--use-dynamic-batch-size"),
                                      ["--use-dynamic-batch-size", "--max-tokens-per-gpu"]),
+    "save under a file": (lambda a, t: train_flags(a, t / "out", "--save", str(_a_file(t) / "ck")),
+                          ["--save", "not a directory"]),
+    "output dir is a file": (lambda a, t: train_flags(a, _a_file(t), "--save", str(t / "ck2")),
+                             ["--output-dir", "not a directory"]),
+    "estimator unknown": (lambda a, t: train_flags(a, t / "out", "--advantage-estimator", "ppo2"),
+                          ["--advantage-estimator", "ppo2"]),
+    "ppo without a critic": (lambda a, t: train_flags(a, t / "out", "--advantage-estimator", "ppo"),
+                             ["--advantage-estimator", "critic"]),
 }
+
+
+def _a_file(t: Path) -> Path:
+    f = t / "a_file"
+    f.write_text("x")
+    return f
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
