@@ -291,3 +291,20 @@ def test_closed_stdout_does_not_stop_training(assets, tmp_path):
     proc.stdout.close()
     assert proc.wait(timeout=180) == 0, proc.stderr.read()
     assert [r["step"] for r in read_metrics(out)] == [0, 1, 2]
+
+
+def test_load_of_another_models_checkpoint_or_garbage_is_one_line(assets, tmp_path, capsys):
+    ck = tmp_path / "ck"
+    assert main(_resume_flags(assets, tmp_path / "a", 1, "--save", str(ck))) == 0
+    other = write_tiny_checkpoint(tmp_path / "other", vocab_size=128, hidden=48, layers=2, heads=2, kv_heads=1,
+                                  max_position_embeddings=2048)
+    argv = _resume_flags(assets, tmp_path / "b", 2, "--load", str(ck))
+    argv[argv.index("--hf-checkpoint") + 1] = str(other)
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("furlong: error: --load:") and "another model" in err and len(err.splitlines()) == 1
+    (ck / "iter_0000001" / "trainer.pt").write_bytes(b"garbage")
+    assert main(_resume_flags(assets, tmp_path / "c", 2, "--load", str(ck))) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--load:" in err and len(err.splitlines()) == 1

@@ -24,6 +24,7 @@ written and before the rename, so a test can kill a save half-way.
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import shutil
 import time
@@ -130,6 +131,18 @@ def save_checkpoint(save_dir: str | os.PathLike, actor: Any, rollout_id: int,
     return final
 
 
+def _check_shapes(path: Path, model_sd: dict[str, Any]) -> None:
+    """ValueError naming the first parameter whose saved shape differs from the model's (another model)."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for name, t in model_sd.items():
+        meta = saved.get(f"model.{name}")
+        if meta is None:
+            raise ValueError(f"--load: {path} has no parameter {name}: a checkpoint of another model?")
+        if hasattr(meta, "size") and tuple(meta.size) != tuple(t.shape):
+            raise ValueError(f"--load: {path} is a checkpoint of another model: {name} is {list(meta.size)} there, "
+                             f"{list(t.shape)} in the --hf-checkpoint model")
+
+
 def load_checkpoint(load_dir: str | os.PathLike, actor: Any) -> ResumeState | None:
     """Restore the tracker's checkpoint into `actor` (every rank calls); None if there is none."""
     iteration = latest_iteration(load_dir)
@@ -138,11 +151,19 @@ def load_checkpoint(load_dir: str | os.PathLike, actor: Any) -> ResumeState | No
     path = Path(load_dir) / f"iter_{iteration:07d}"
     if not (path / "trainer.pt").exists():
         raise ValueError(f"--load: {path} is missing or incomplete (no trainer.pt)")
-    model_sd, optim_sd = get_state_dict(actor.model, actor.optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(actor.model, actor.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    meta = torch.load(path / "trainer.pt", weights_only=False)
+    try:
+        meta = torch.load(path / "trainer.pt", weights_only=False)
+        model_sd, optim_sd = get_state_dict(actor.model, actor.optimizer)
+        _check_shapes(path, model_sd)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(actor.model, actor.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    except ValueError:
+        raise
+    except (RuntimeError, KeyError, EOFError, OSError, pickle.UnpicklingError, dcp.api.CheckpointException) as e:
+        # another model's checkpoint (shape mismatch), or damaged files: one line naming the checkpoint
+        why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        raise ValueError(f"--load: {path} cannot be loaded into the --hf-checkpoint model ({why})") from e
     actor.scheduler.load_state_dict(meta["scheduler"])
     rank_file = path / f"trainer_rank{_rank()}.pt"
     if rank_file.exists():  # absent when resuming at a larger world size: keep fresh RNG
