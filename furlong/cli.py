@@ -80,7 +80,8 @@ def _build_parser() -> _Parser:
     prep = sub.add_parser("prepare", help="write prompt data sets")
     psub = prep.add_subparsers(dest="task", required=True, parser_class=_Parser)
     g = psub.add_parser("gsm8k", help="GSM8K jsonl -> parquet (messages + label)")
-    g.add_argument("--input", required=True)
+    g.add_argument("--input", default=None, metavar="DIR",
+                   help="DIR with train.jsonl/test.jsonl (default: download with the datasets library)")
     g.add_argument("--output", required=True)
     s = psub.add_parser("synthetic", help="synthetic arithmetic word problems (GSM8K format)")
     s.add_argument("--output", required=True)

@@ -299,3 +299,12 @@ def test_eval_prints_metric(assets, tmp_path, capsys):
     assert code == 0, err
     assert json.loads(out.strip().splitlines()[-1]) == {"eval/syn": 1.0}
     assert len(list((tmp_path / "out" / "samples").glob("eval_syn_*.jsonl"))) == 1
+
+
+def test_prepare_gsm8k_without_input_offline_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    code, _, err = run_cli(["prepare", "gsm8k", "--output", str(tmp_path / "out")], capsys)
+    assert code == 2
+    assert_one_line(err, "--input")
+    assert not (tmp_path / "out").exists()
