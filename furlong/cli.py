@@ -26,18 +26,37 @@ class UsageError(Exception):
     pass
 
 
+_PATH_WORDS = ("checkpoint", "path", "data", "dir", "save", "load")
+GROUP_TITLES = {"data": "data and model", "sft": "furlong sft only", "log": "outputs and logging",
+                "ckpt": "checkpoints", "algo": "algorithm", "optim": "optimizer", "batch": "batching and memory",
+                "parallel": "processes and devices"}
+
+
+def _metavar(f: dataclasses.Field, base: str) -> str:
+    if base == "str" and any(w in f.name for w in _PATH_WORDS):
+        return "PATH"
+    return {"int": "N", "float": "X", "str": "STR"}[base]
+
+
+def _help(f: dataclasses.Field) -> str:
+    help_ = f.metadata.get("help", "")
+    default = f.default if f.default is not dataclasses.MISSING else None
+    if default not in (None, False, "", []):
+        help_ += f" (default: {default})"
+    return help_
+
+
 def _flag_kwargs(f: dataclasses.Field) -> dict[str, Any]:
     t = str(f.type).replace(" ", "")
-    help_ = f.metadata.get("help", "")
     if t.startswith("bool"):
-        return {"action": "store_true", "help": help_}
+        return {"action": "store_true", "help": _help(f)}
     if t.startswith("list[int]"):
-        return {"nargs": f.metadata.get("nargs", "+"), "type": int, "help": help_}
+        return {"nargs": f.metadata.get("nargs", "+"), "type": int, "metavar": "N", "help": _help(f)}
     if t.startswith("list["):
-        return {"nargs": f.metadata.get("nargs", "+"), "type": str, "help": help_}
+        return {"nargs": f.metadata.get("nargs", "+"), "type": str, "metavar": "STR", "help": _help(f)}
     base = t.split("|")[0]
     conv: Callable[[str], Any] = {"int": int, "float": float, "str": str}[base]
-    return {"type": conv, "help": help_}
+    return {"type": conv, "metavar": _metavar(f, base), "help": _help(f)}
 
 
 def _config_groups() -> list[tuple[str, type]]:
@@ -46,7 +65,7 @@ def _config_groups() -> list[tuple[str, type]]:
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     for attr, cls in _config_groups():
-        group = parser.add_argument_group(attr)
+        group = parser.add_argument_group(GROUP_TITLES.get(attr, attr))
         for f in dataclasses.fields(cls):
             names = ["--" + f.name.replace("_", "-")] + list(f.metadata.get("aliases", []))
             group.add_argument(*names, dest=f"{attr}.{f.name}", default=argparse.SUPPRESS, **_flag_kwargs(f))

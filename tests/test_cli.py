@@ -308,3 +308,12 @@ def test_prepare_gsm8k_without_input_offline_is_one_line(tmp_path, capsys, monke
     assert code == 2
     assert_one_line(err, "--input")
     assert not (tmp_path / "out").exists()
+
+
+def test_train_help_shows_defaults_metavars_and_groups():
+    p = run_proc(["train", "--help"])
+    assert p.returncode == 0
+    out = p.stdout
+    assert "--hf-checkpoint PATH" in out and "--rollout-batch-size N" in out and "--lr X" in out
+    assert "(default: 1024)" in out and "furlong sft only:" in out
+    assert "DATA.HF_CHECKPOINT" not in out
