@@ -38,6 +38,7 @@ class DataConfig:
 class RewardConfig:
     rm_type: str | None = flag(None, "built-in reward: math | deepscaler | dapo")
     custom_rm_path: str | None = flag(None, "module.function computing a sample's reward (wins over --rm-type)")
+    reward_timeout: float = flag(600.0, "seconds one reward call may take before the run stops")
 
 
 @dataclass
@@ -254,6 +255,7 @@ def validate(cfg: Config, command: str = "train") -> None:
     if command == "train":
         _need(cfg.reward.rm_type is not None or cfg.reward.custom_rm_path is not None,
               "--rm-type", "give --rm-type or --custom-rm-path")
+    _need(cfg.reward.reward_timeout > 0, "--reward-timeout", "must be > 0 seconds")
     _need(r.num_rollout >= 0, "--num-rollout", "must be >= 0")
     _need(r.rollout_batch_size >= 1, "--rollout-batch-size", "must be >= 1")
     _need(r.n_samples_per_prompt >= 1, "--n-samples-per-prompt", "must be >= 1")

@@ -153,7 +153,7 @@ def build_run(cfg: Config, ctx, with_actor: bool) -> RunParts:
     from furlong.data import PromptDataset
     from furlong.models.hf_config import ModelArgs
     from furlong.models.hf_io import load_pretrained
-    from furlong.rewards.registry import get_reward_fn
+    from furlong.rewards.registry import TimedReward, get_reward_fn
     from furlong.rollout.filters import load_filter
     from furlong.engine import Engine, EngineConfig
 
@@ -181,7 +181,7 @@ def build_run(cfg: Config, ctx, with_actor: bool) -> RunParts:
                            seed=0, **common)
         eval_sets.append((name, ds.all()))
     prompt_pool = [p for _, prompts in eval_sets for p in prompts] + (dataset.all() if dataset is not None else [])
-    reward_fn = get_reward_fn(cfg.reward.rm_type, cfg.reward.custom_rm_path)
+    reward_fn = TimedReward(get_reward_fn(cfg.reward.rm_type, cfg.reward.custom_rm_path), cfg.reward.reward_timeout)
     filter_fn = load_filter(cfg.rollout.dynamic_sampling_filter_path)
     if cfg.ckpt.load is not None and not (Path(cfg.ckpt.load) / "latest_checkpointed_iteration.txt").is_file():
         raise ValueError(f"--load: no latest_checkpointed_iteration.txt in {cfg.ckpt.load}")

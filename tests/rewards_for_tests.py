@@ -46,3 +46,10 @@ def raising_reward(sample: Sample) -> float:
     if sample.index == 1:
         raise KeyError("no label field 'answer'")
     return 0.0
+
+
+def slow_reward(sample: Sample) -> float:
+    """Sleeps 30 s: a hung reward that --reward-timeout must cut short."""
+    import time
+    time.sleep(30)
+    return 0.0

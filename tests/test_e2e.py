@@ -246,9 +246,10 @@ def test_used_output_dir_is_refused_without_load_or_overwrite(assets, tmp_path, 
 
 @pytest.mark.parametrize("fn,needle", [("nan_reward", "is nan: rewards must be finite"),
                                        ("raising_reward", "reward function raising_reward raised on sample "
-                                                          "(group 0, index 1): KeyError")])
+                                                          "(group 0, index 1): KeyError"),
+                                       ("slow_reward", "took more than --reward-timeout 0.5s")])
 def test_broken_reward_stops_in_one_line(assets, tmp_path, capsys, fn, needle):
-    argv = _resume_flags(assets, tmp_path / "run", 2)
+    argv = _resume_flags(assets, tmp_path / "run", 2, "--reward-timeout", "0.5")
     argv[argv.index("--custom-rm-path") + 1] = f"tests.rewards_for_tests.{fn}"
     assert main(argv) == 1
     err = capsys.readouterr().err.strip()

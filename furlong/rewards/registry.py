@@ -113,9 +113,44 @@ def _as_float(value: Any, sample: Sample) -> float:
     return out
 
 
+class TimedReward:
+    """A reward function whose every call must finish within `seconds`, else RewardError.
+
+    Sync functions run on one worker thread (a call that hangs cannot be killed, but the run stops
+    with one line instead of waiting forever); coroutines are awaited under asyncio.wait_for.
+    """
+
+    def __init__(self, fn: RewardFn, seconds: float):
+        self.fn, self.seconds = fn, seconds
+        self.__qualname__ = _fn_name(fn)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
+
+    def _timeout(self, sample: Sample) -> RewardError:
+        return RewardError(f"reward function {self.__qualname__} took more than --reward-timeout "
+                           f"{self.seconds:g}s on sample (group {sample.group_id}, index {sample.index})")
+
+    def __call__(self, sample: Sample) -> Any:
+        future = self._pool.submit(self.fn, sample)
+        try:
+            value = future.result(timeout=self.seconds)
+        except concurrent.futures.TimeoutError:
+            raise self._timeout(sample) from None
+        if inspect.isawaitable(value):
+            return self._bounded(value, sample)
+        return value
+
+    async def _bounded(self, awaitable: Awaitable[Any], sample: Sample) -> Any:
+        try:
+            return await asyncio.wait_for(awaitable, self.seconds)
+        except asyncio.TimeoutError:
+            raise self._timeout(sample) from None
+
+
 def _call(fn: RewardFn, sample: Sample) -> Any:
     try:
         return fn(sample)
+    except RewardError:
+        raise
     except Exception as e:   # a user's reward code: report which call failed, in one line
         raise RewardError(f"reward function {_fn_name(fn)} raised on sample (group {sample.group_id}, index "
                           f"{sample.index}): {type(e).__name__}: {e}".splitlines()[0]) from e
@@ -142,6 +177,8 @@ def compute_rewards(fn: RewardFn, samples: list[Sample]) -> list[float]:
         else:
             done = asyncio.run(_gather(pending))
         for i, value in zip(waiting, done):
+            if isinstance(value, RewardError):
+                raise value
             if isinstance(value, BaseException):
                 s = samples[i]
                 raise RewardError(f"reward function {_fn_name(fn)} raised on sample (group {s.group_id}, index "
