@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import importlib
 import math
+import threading
 import inspect
 from types import MappingProxyType
 from typing import Any, Awaitable, Callable, Mapping
@@ -116,28 +117,37 @@ def _as_float(value: Any, sample: Sample) -> float:
 class TimedReward:
     """A reward function whose every call must finish within `seconds`, else RewardError.
 
-    Sync functions run on one worker thread (a call that hangs cannot be killed, but the run stops
-    with one line instead of waiting forever); coroutines are awaited under asyncio.wait_for.
+    Each sync call runs on a daemon thread (a call that hangs cannot be killed, but the run stops
+    with one line instead of waiting forever, and the hung thread does not hold the exit);
+    coroutines are awaited under asyncio.wait_for.
     """
 
     def __init__(self, fn: RewardFn, seconds: float):
         self.fn, self.seconds = fn, seconds
         self.__qualname__ = _fn_name(fn)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
 
     def _timeout(self, sample: Sample) -> RewardError:
         return RewardError(f"reward function {self.__qualname__} took more than --reward-timeout "
                            f"{self.seconds:g}s on sample (group {sample.group_id}, index {sample.index})")
 
     def __call__(self, sample: Sample) -> Any:
-        future = self._pool.submit(self.fn, sample)
-        try:
-            value = future.result(timeout=self.seconds)
-        except concurrent.futures.TimeoutError:
-            raise self._timeout(sample) from None
-        if inspect.isawaitable(value):
-            return self._bounded(value, sample)
-        return value
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = self.fn(sample)
+            except BaseException as e:   # re-raised in the caller's thread
+                box["error"] = e
+
+        worker = threading.Thread(target=run, daemon=True, name="reward")
+        worker.start()
+        worker.join(self.seconds)
+        if worker.is_alive():
+            raise self._timeout(sample)
+        if "error" in box:
+            raise box["error"]
+        value = box["value"]
+        return self._bounded(value, sample) if inspect.isawaitable(value) else value
 
     async def _bounded(self, awaitable: Awaitable[Any], sample: Sample) -> Any:
         try:
