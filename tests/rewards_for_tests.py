@@ -53,3 +53,9 @@ def slow_reward(sample: Sample) -> float:
     import time
     time.sleep(30)
     return 0.0
+
+
+def letter_reward(sample: Sample) -> float:
+    """Share of the response's characters that are 'e': a target a policy can learn in a few steps."""
+    text = sample.response_text.replace("<|im_end|>", "")
+    return text.count("e") / max(len(text), 1)
