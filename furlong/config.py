@@ -177,10 +177,6 @@ class SftConfig:
     sft_max_len: int = flag(2048, "SFT: truncate samples to this many tokens")
 
 
-GROUPS = (DataConfig, RewardConfig, RolloutConfig, EvalConfig, AlgoConfig, OptimConfig,
-          BatchConfig, ParallelConfig, CheckpointConfig, LogConfig, SftConfig)
-
-
 @dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)

@@ -25,7 +25,7 @@ from test_actor import capture_grads, synthetic_samples, tiny_ckpt, tiny_config 
 
 from furlong.models.hf_io import load_pretrained  # noqa: E402
 from furlong.train.actor import Actor  # noqa: E402
-from furlong.train.batching import plan_micro_batches, split_across_ranks  # noqa: E402
+from furlong.train.planning import plan_micro_batches, split_across_ranks  # noqa: E402
 from furlong.train.distributed import init_distributed, launch_local  # noqa: E402
 
 # prompt+response token counts; 40 exceeds the budget and sits alone

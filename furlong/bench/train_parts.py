@@ -25,7 +25,7 @@ from furlong.types import TrainSample
 
 
 def part_train(b: Bench) -> TrainResult:
-    from furlong.train.batching import balance_stats, plan_micro_batches, split_across_ranks
+    from furlong.train.planning import balance_stats, plan_micro_batches, split_across_ranks
     actor, dev, samples = b.actor(), b.device, b.train_samples()
     lengths = [s.num_tokens for s in samples]
     num_tokens = sum(lengths)
@@ -117,7 +117,7 @@ def _auto_budget(b: Bench) -> tuple[int | None, str]:
 
 
 def part_budget(b: Bench) -> BudgetResult:
-    from furlong.train.batching import plan_micro_batches
+    from furlong.train.planning import plan_micro_batches
     actor, dev, samples = b.actor(), b.device, b.train_samples()
     lengths = [s.num_tokens for s in samples]
     num_tokens, rows = sum(lengths), []

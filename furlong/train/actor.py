@@ -39,8 +39,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import register_fsdp_forward_method
 
 from furlong.config import Config
-from furlong.train.batching import (fixed_micro_batches, move_micro_batch, num_loss_tokens, pack_micro_batch,
-                                    plan_micro_batches, split_across_ranks, token_loss_weights)
+from furlong.train.batching import move_micro_batch, num_loss_tokens, pack_micro_batch, token_loss_weights
+from furlong.train.planning import fixed_micro_batches, plan_micro_batches, split_across_ranks
 from furlong.train.distributed import DistContext, all_gather_flat
 from furlong.train.fsdp import compile_enabled, compile_layers, default_param_dtype, shard_model
 from furlong.train.logprobs import chunked_log_probs

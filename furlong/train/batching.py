@@ -1,8 +1,7 @@
 """Loss weights and packing of a step's samples into micro-batches.
 
 Planning (which samples share a micro-batch, and which rank gets which
-samples) lives in planning.py; its public names are re-exported here, so
-`furlong.train.batching.plan_micro_batches` and friends stay the stable API.
+samples) lives in planning.py.
 
 Loss weights (`token_loss_weights`) carry the step's aggregation so that
 micro-batch losses simply add up (see losses.py):
@@ -21,8 +20,6 @@ from __future__ import annotations
 
 import torch
 
-from furlong.train.planning import (BalanceStats, balance_stats, fixed_micro_batches,  # noqa: F401  (re-exports)
-                                    plan_micro_batches, split_across_ranks)
 from furlong.types import MicroBatch, TrainSample
 
 

@@ -38,14 +38,6 @@ class DistContext:
     device: torch.device      # where this rank's model lives
     backend: str              # "nccl" | "gloo"
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return dist.is_available() and dist.is_initialized()
-
 
 def _resolve_device_type(device_pref: str) -> str:
     if device_pref not in ("auto", "cpu", "cuda"):
