@@ -3,7 +3,7 @@
 Each dataclass field is one flag: `hf_checkpoint` is `--hf-checkpoint`. The
 CLI (cli.py) is generated from these classes; `validate` raises ValueError
 whose message starts with the offending flag, which the CLI prints as one line
-before exiting with code 2. Names and meanings follow miles (DESIGN.md §1).
+before exiting with code 2. Names and meanings follow miles (docs/design.md §1).
 """
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ class EvalConfig:
 class AlgoConfig:
     advantage_estimator: str = flag("grpo", "grpo | gspo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline")
     disable_grpo_std_normalization: bool = flag(False, "GRPO: only subtract the group mean")
-    disable_rewards_normalization: bool = flag(False, "GRPO/GSPO: raw rewards as advantages (no group mean or std)")
+    disable_rewards_normalization: bool = flag(False, "grpo/gspo/reinforce_plus_plus_baseline: raw rewards (no group mean or std)")
     normalize_advantages: bool = flag(False, "whiten advantages over the global batch (all ranks)")
     gamma: float = flag(1.0, "discount of the token-level returns (reinforce_plus_plus*)")
     lambd: float = flag(1.0, "GAE lambda (ppo)")

@@ -85,7 +85,7 @@ def _eval_scores(metrics_path: Path, key: str) -> list[float]:
 
 
 def grpo_config(out: Path, data: Path, scale: DemoScale, seed: int) -> Config:
-    """The reference workload's recipe (DESIGN.md §1), scaled down to the demo model."""
+    """The reference workload's recipe (docs/design.md §1), scaled down to the demo model."""
     rl = Config()
     rl.data.hf_checkpoint = str(out / "sft_model")
     rl.data.prompt_data = str(data / "train.parquet")

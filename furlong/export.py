@@ -1,4 +1,4 @@
-"""`furlong export`: a training checkpoint (DCP shards) -> an HF checkpoint dir (DESIGN.md §4).
+"""`furlong export`: a training checkpoint (DCP shards) -> an HF checkpoint dir (docs/design.md §4).
 
 Single process, no process group: the model is built from the original HF
 checkpoint's config.json, the latest DCP checkpoint under --load is read into

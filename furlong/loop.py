@@ -1,4 +1,4 @@
-"""The RL loop of DESIGN.md §2, top to bottom.
+"""The RL loop of docs/design.md §2, top to bottom.
 
 Every rank runs this same loop. Rollout is data-parallel (each rank generates
 its share of prompt groups, then all ranks exchange them), so every rank holds

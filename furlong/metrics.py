@@ -1,6 +1,6 @@
 """Run outputs: metrics.jsonl, the per-rollout progress line, TensorBoard, wandb.
 
-Metric names follow miles (DESIGN.md §7) so dashboards carry over. Only rank 0
+Metric names follow miles (docs/design.md §7) so dashboards carry over. Only rank 0
 writes; other ranks get a logger whose methods do nothing.
 """
 from __future__ import annotations

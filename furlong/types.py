@@ -1,4 +1,4 @@
-"""Typed records the stages of the RL step hand each other (DESIGN.md §2).
+"""Typed records the stages of the RL step hand each other (docs/design.md §2).
 
 prompt data ──► Prompt ──rollout──► Sample (grouped in Group) ──advantages──►
 TrainSample ──packing──► MicroBatch ──loss──► StepMetrics
@@ -82,8 +82,9 @@ class MicroBatch:
 
     All per-position tensors are [T] and aligned: targets[t] = token t+1 of the
     same sample (0 at a sample's last position), and loss_weight[t] = 0 wherever
-    targets[t] is not a trained response token. An empty micro-batch (T = 0)
-    pads a rank up to the common micro-batch count and contributes nothing.
+    targets[t] is not a trained response token. A rank with fewer micro-batches than
+    the others pads up to the common count with a 1-token, zero-weight dummy (actor.py),
+    which contributes nothing; `pack_micro_batch([])` gives the empty (T = 0) form.
     """
     input_ids: torch.Tensor       # [T] int64
     position_ids: torch.Tensor    # [T] int64, restarting at 0 per sample

@@ -1,4 +1,4 @@
-"""Checkpoints: exact resume, crash safety of a half-written save, HF export (DESIGN.md §8)."""
+"""Checkpoints: exact resume, crash safety of a half-written save, HF export (docs/design.md §8)."""
 from __future__ import annotations
 
 import os

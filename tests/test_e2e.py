@@ -1,11 +1,11 @@
-"""End-to-end `furlong train` runs: the DESIGN.md §1 flag block as given, multi-process
+"""End-to-end `furlong train` runs: the docs/design.md §1 flag block as given, multi-process
 error reporting, and exact resume from a checkpoint.
 
 The §1 block runs as written (2 gloo worker processes on the CPU) with only its
 paths swapped for tiny test files, --num-rollout 1, and one deviation for CPU
-time: --rollout-max-response-len 32 instead of 1024. Measured on this 2-core
-machine, 1024 took ~9 minutes: the engine decodes a whole 512-row batch until
-its longest response ends, and a random model's responses run to ~1000 tokens.
+time: --rollout-max-response-len 32 instead of 1024: a random model's responses
+run to the maximum length, so 1024 would make every one of the 512 over-sampled
+rows decode ~1000 tokens on the CPU.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:   # so --custom-rm-path tests.rewards_for_tests.* imports in-process
     sys.path.insert(0, str(ROOT))
 
-# DESIGN.md §1, verbatim but for the paths (/models/..., /data/...), --num-rollout 60 -> 1
+# docs/design.md §1, verbatim but for the paths (/models/..., /data/...), --num-rollout 60 -> 1
 # and --rollout-max-response-len 1024 -> 32 (module docstring).
 SECTION_1_FLAGS = """
 --hf-checkpoint {ckpt}

@@ -1,4 +1,4 @@
-"""Data-parallel training equals single-process training (DESIGN.md §5 aggregation).
+"""Data-parallel training equals single-process training (docs/design.md §5 aggregation).
 
 Two gloo ranks with dynamic batching (unequal lengths, a small token budget so
 each rank runs >= 2 micro-batches and the ranks plan different counts, one

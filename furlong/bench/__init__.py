@@ -1,12 +1,13 @@
-"""`furlong bench --workload FILE`: one RL step of a workload, timed part by part (DESIGN.md §9).
+"""`furlong bench --workload FILE`: one RL step of a workload, timed part by part (docs/design.md §9).
 
 The workload file (bench/seed_workload.json) fixes the model config, prompt
 lengths, forced response lengths, train settings and a decode probe. Weights are
 random (seeded, std 0.02) and token ids are random: this measures speed only.
-Parts, run in this order (each in try/except under a time guard, so one call
-always ends with a table and a JSON, rewritten after every part):
-  train, budget, hf   train_parts.py (actor step, budget sweep, HF fwd+bwd)
-  rollout, decode     generation_parts.py (engine rollout, decode probe vs. HF)
+Parts, run in this order: train, hf, rollout, decode, eval, budget (each in
+try/except under a time guard, so one call always ends with a table and a JSON,
+rewritten after every part):
+  train, budget, hf      train_parts.py (actor step, budget sweep, HF fwd+bwd)
+  rollout, decode, eval  generation_parts.py (engine rollout, decode probe vs. HF, eval probe)
 One concept per module:
   workload.py   the workload file: parsing, validation, part names
   measure.py    synchronized timing, peak memory, time guards (PartTimeout)

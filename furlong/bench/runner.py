@@ -1,4 +1,4 @@
-"""`run_bench`: run the selected parts in order, each guarded, and report (DESIGN.md §9).
+"""`run_bench`: run the selected parts in order, each guarded, and report (docs/design.md §9).
 
 Each part runs in try/except under a time guard, so one call always ends with
 a table and a JSON, rewritten after every part. Time: each part has a SIGALRM

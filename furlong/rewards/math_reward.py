@@ -1,4 +1,4 @@
-"""Math answer reward (DESIGN.md §6): 1.0 if the response's final answer equals the label.
+"""Math answer reward (docs/design.md §6): 1.0 if the response's final answer equals the label.
 
 Code: extraction in math_extract, normalization and numbers in math_normalize,
 the sympy step in math_symbolic; this module combines them and re-exports their

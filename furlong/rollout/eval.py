@@ -1,4 +1,4 @@
-"""Evaluation on a fixed prompt set (DESIGN.md §6): `eval/<name>` = mean reward.
+"""Evaluation on a fixed prompt set (docs/design.md §6): `eval/<name>` = mean reward.
 
 Every prompt gets `n_samples` responses (one engine request of n samples).
 Data-parallel: rank r generates and rewards the r-th contiguous share of the

@@ -1,4 +1,4 @@
-"""Dynamic-sampling group filters (`--dynamic-sampling-filter-path`, DESIGN.md §6).
+"""Dynamic-sampling group filters (`--dynamic-sampling-filter-path`, docs/design.md §6).
 
 A filter takes a finished Group (rewards set) and returns True to keep it.
 Built-in: `check_reward_nonzero_std` keeps a group whose rewards are not all

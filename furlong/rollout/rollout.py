@@ -1,4 +1,4 @@
-"""One rollout: prompt groups -> responses -> rewards -> dynamic filter (DESIGN.md §2 steps 1-2, §6).
+"""One rollout: prompt groups -> responses -> rewards -> dynamic filter (docs/design.md §2 steps 1-2, §6).
 
 Streaming over-sampling, as miles does it: whenever the groups kept plus the
 groups in flight fall short of `rollout_batch_size`, the next
@@ -83,7 +83,7 @@ class RolloutMetrics:
     engine: dict[str, float] = field(default_factory=dict)   # this rank's engine counters (perf/*)
 
     def as_log(self) -> dict[str, float]:
-        """miles metric names (DESIGN.md §7), plus the engine's perf counters."""
+        """miles metric names (docs/design.md §7), plus the engine's perf counters."""
         out = {
             "rollout/raw_reward": self.raw_reward,
             "rollout/response_len/mean": self.response_len_mean,

@@ -1,4 +1,4 @@
-"""The data-parallel trainer ("actor"): log-prob passes and optimizer steps (DESIGN.md §2, §5).
+"""The data-parallel trainer ("actor"): log-prob passes and optimizer steps (docs/design.md §2, §5).
 
 Every rank gets ALL samples of the rollout and runs the same pure planning
 functions on them, so the rank split, each rank's micro-batch plan, the common
@@ -90,7 +90,7 @@ class TrainMetrics:
     seconds: float
 
     def to_log(self) -> dict[str, float]:
-        """`train/*` metric names of DESIGN.md §7."""
+        """`train/*` metric names of docs/design.md §7."""
         return {f"train/{f.name}": getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "seconds"}
 
 

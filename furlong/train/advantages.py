@@ -1,4 +1,4 @@
-"""Advantage estimators (DESIGN.md §5), picked by --advantage-estimator from ESTIMATORS.
+"""Advantage estimators (docs/design.md §5), picked by --advantage-estimator from ESTIMATORS.
 
 Every estimator maps (AdvantageInputs, AdvantageParams) to per-sample token
 lists (advantages, returns), each tensor [R_i]. Sample i = g*n + j is sample j of

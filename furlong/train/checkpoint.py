@@ -1,4 +1,4 @@
-"""Resumable checkpoints (DESIGN.md §8).
+"""Resumable checkpoints (docs/design.md §8).
 
 Layout under `--save DIR`:
     DIR/iter_0000005/                       after rollout_id 4 (iteration = rollout_id + 1)

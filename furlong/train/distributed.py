@@ -1,4 +1,4 @@
-"""Process-group setup for the data-parallel trainer (DESIGN.md §4).
+"""Process-group setup for the data-parallel trainer (docs/design.md §4).
 
 Three ways a trainer process comes to life:
   * torchrun (multi-node): RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT are

@@ -1,4 +1,4 @@
-"""FSDP2 wrapping of the decoder (DESIGN.md §2 step 6).
+"""FSDP2 wrapping of the decoder (docs/design.md §2 step 6).
 
 `fully_shard` is applied to every decoder layer, then to the root (embeddings,
 final norm, LM head). Parameters stay fp32 ("master weights") and sharded;

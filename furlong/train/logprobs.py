@@ -1,4 +1,4 @@
-"""Token log-probs and entropy from final hidden states, in chunks (DESIGN.md §5).
+"""Token log-probs and entropy from final hidden states, in chunks (docs/design.md §5).
 
 For positions t: z_t = (h_t @ W^T) / temperature in fp32, logp_t = z_t[y_t] -
 logsumexp(z_t), entropy_t = logsumexp(z_t) - sum_v p_tv z_tv with p = softmax(z_t).

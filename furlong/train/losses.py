@@ -1,4 +1,4 @@
-"""RL and SFT losses on packed micro-batches (DESIGN.md §5, miles semantics).
+"""RL and SFT losses on packed micro-batches (docs/design.md §5, miles semantics).
 
 Per response token, with logp the current policy, old the policy that the
 advantages refer to, ref the reference model and rollout the engine:

@@ -1,4 +1,4 @@
-"""`--max-tokens-per-gpu auto`: pick the micro-batch token budget from measured memory (DESIGN.md §5).
+"""`--max-tokens-per-gpu auto`: pick the micro-batch token budget from measured memory (docs/design.md §5).
 
 On CUDA, with the model sharded and idle, two probe micro-batches (PROBE_TOKENS
 and 2x that) each run the training path (forward_packed -> chunked log-probs

@@ -13,10 +13,11 @@ import time
 
 import torch
 
-# Dense (no sparsity) bf16 tensor-core FLOP/s, vendor datasheets; matched by substring, first hit wins.
+# Dense (no sparsity) bf16 tensor-core FLOP/s, vendor datasheets; matched by substring, first hit wins
+# (so longer names that contain shorter ones come first: GB200 before B200).
 PEAK_BF16_FLOPS = (
-    ("H200", 989e12), ("H100", 989e12), ("H800", 989e12), ("GH200", 989e12), ("H20", 148e12),
-    ("B200", 2250e12), ("B100", 1750e12), ("GB200", 2500e12),
+    ("GH200", 989e12), ("H200", 989e12), ("H100", 989e12), ("H800", 989e12), ("H20", 148e12),
+    ("GB200", 2500e12), ("B200", 2250e12), ("B100", 1750e12),
     ("A100", 312e12), ("A800", 312e12), ("A10G", 70e12), ("A10", 125e12), ("L40S", 362e12), ("L40", 181e12),
     ("L4", 121e12), ("RTX 4090", 165e12), ("RTX 3090", 71e12), ("MI300X", 1307e12), ("MI250", 362e12),
 )

@@ -1,6 +1,6 @@
 """Micro-batch planning: splitting a step's samples over ranks and micro-batches.
 
-Planning (DESIGN.md §5, dynamic batching). `plan_micro_batches` puts samples
+Planning (docs/design.md §5, dynamic batching). `plan_micro_batches` puts samples
 (by token count) into the fewest micro-batches whose packed token sum stays
 <= max_tokens; a sample longer than the budget sits alone. It
   1. counts bins with first-fit-decreasing (FFD): k bins;
@@ -12,7 +12,7 @@ Planning (DESIGN.md §5, dynamic batching). `plan_micro_batches` puts samples
      lowers the heaviest bin by single moves/swaps into lighter ones (KK
      alone splits [3,3,2,2,2] as 7/5; one swap makes it 6/6).
 When repair fails we fall back to FFD (which fits in k bins) rather than
-trying k+1 bins: DESIGN asks for the fewest micro-batches first, balance second. miles counts bins with
+trying k+1 bins: the design (docs/design.md §5) asks for the fewest micro-batches first, balance second. miles counts bins with
 first-fit and balances without re-checking the cap; furlong enforces it.
 `split_across_ranks` balances all samples over ranks with KK + the same
 refinement (no cap). Everything is deterministic (ties break on sample index).

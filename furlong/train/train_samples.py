@@ -1,6 +1,6 @@
 """Kept groups -> trainer samples: reward shaping, the log-prob passes the estimator needs, advantages.
 
-Order (DESIGN.md §5): rewards are shaped first (DAPO's overlong penalty); old
+Order (docs/design.md §5): rewards are shaped first (DAPO's overlong penalty); old
 log-probs come from the engine (`--use-rollout-logprobs`), from a separate
 trainer forward (when the training forward cannot supply them: several
 optimizer steps per rollout, or a KL penalty in the reward that needs them

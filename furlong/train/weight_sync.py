@@ -1,4 +1,4 @@
-"""Push the trainer's weights into the rollout engine's model, in place (DESIGN.md §2 step 7, §6).
+"""Push the trainer's weights into the rollout engine's model, in place (docs/design.md §2 step 7, §6).
 
 The trainer's parameters are FSDP2 shards (DTensors, fp32); the engine holds
 its own full copy of the same Transformer in its compute dtype. Parameters are
