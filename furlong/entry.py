@@ -88,7 +88,7 @@ def _launch(kind: str, cfg: Config) -> int:
         from furlong.train.distributed import WorkerError, launch_local
         errors = mp.get_context("spawn").SimpleQueue()
         try:
-            launch_local(_worker, n, kind, cfg, errors)
+            code = launch_local(_worker, n, kind, cfg, errors)
         except WorkerError as e:
             reports = []
             while not errors.empty():
@@ -100,7 +100,7 @@ def _launch(kind: str, cfg: Config) -> int:
             # a bug in a worker: it printed its traceback; this is the line that matters
             print(f"furlong {kind}: error: {e}", file=sys.stderr)
             return EXIT_RUN_FAILED
-        return 0
+        return code
     return _worker(kind, cfg)
 
 

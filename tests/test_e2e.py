@@ -327,3 +327,21 @@ def test_each_estimator_learns(assets, tmp_path, capsys, estimator, extra):
     rewards = [r["rollout/raw_reward"] for r in read_metrics(out)]
     first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
     assert last > 0.2 and last > 4 * first, rewards
+
+
+def test_sigint_to_the_launcher_stops_two_workers_gracefully(assets, tmp_path):
+    import signal
+    out, ck = tmp_path / "run", tmp_path / "ck"
+    proc = _start(_resume_flags(assets, out, 50, "--save", str(ck), "--actor-num-gpus-per-node", "2"))
+    for line in proc.stdout:
+        if line.startswith("[rollout 1/50]"):
+            proc.send_signal(signal.SIGINT)          # the launcher only; it forwards to its workers
+            break
+    rest, err = proc.communicate(timeout=180)
+    assert proc.returncode >= 128, err
+    assert "Traceback" not in err
+    stopped = [ln for ln in rest.splitlines() if "stopped by signal" in ln]
+    assert len(stopped) == 1
+    done = int(stopped[0].split("after rollout ")[1].split("/")[0])
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == str(done)
+    assert [r["step"] for r in read_metrics(out)] == list(range(done))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
+import signal
 import socket
 import traceback
 from dataclasses import dataclass
@@ -140,7 +141,7 @@ def _worker(local_rank: int, num_procs: int, port: int, fn: Callable[..., Any], 
         # N workers share this host's cores (torchrun does the same by default)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_procs))
     try:
-        fn(*args)
+        result = fn(*args)
     except BaseException as e:  # report every failure, including SystemExit from validation
         code = e.code if isinstance(e, SystemExit) else 1
         if isinstance(e, SystemExit) and code in (0, None):
@@ -152,13 +153,18 @@ def _worker(local_rank: int, num_procs: int, port: int, fn: Callable[..., Any], 
         # skip interpreter teardown of a half-failed group; the launcher prints the one-line error
         os._exit(code if isinstance(code, int) else 1)
     destroy_distributed()
+    if isinstance(result, int) and result >= 128:   # stopped by a signal after a whole step (signals.py)
+        os._exit(result)
 
 
-def launch_local(fn: Callable[..., Any], num_procs: int, *args: Any) -> None:
+def launch_local(fn: Callable[..., Any], num_procs: int, *args: Any) -> int:
     """Run `fn(*args)` in `num_procs` fresh (spawned) processes forming one process group.
 
     `fn` must be picklable (module-level). When a worker fails, the others are
     terminated and WorkerError carries the first failing worker's one-line error.
+    SIGINT/SIGTERM to this launcher are forwarded (as SIGTERM) to the workers, which stop after
+    their current step (signals.py); then the workers' exit code (128 + signal) is
+    returned, else 0.
     Plain multiprocessing rather than torch.multiprocessing.start_processes: the
     latter's exit path costs seconds per launch, which the CPU tests feel.
     """
@@ -172,6 +178,10 @@ def launch_local(fn: Callable[..., Any], num_procs: int, *args: Any) -> None:
     for p in procs:
         p.start()
     failed = None
+    # Forwarded as SIGTERM: a terminal's Ctrl-C also reaches the workers directly, and a second SIGINT
+    # would force them down; SIGTERM only (re)sets their stop flag.
+    forward = lambda signum, frame: [os.kill(p.pid, signal.SIGTERM) for p in procs if p.exitcode is None]  # noqa: E731
+    old_handlers = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         alive = list(procs)
         while alive and failed is None:
@@ -179,9 +189,11 @@ def launch_local(fn: Callable[..., Any], num_procs: int, *args: Any) -> None:
             for p in list(alive):
                 if p.exitcode is not None:
                     alive.remove(p)
-                    if p.exitcode != 0 and failed is None:
+                    if p.exitcode not in (0, 128 + signal.SIGINT, 128 + signal.SIGTERM) and failed is None:
                         failed = p
     finally:
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
         for p in procs:  # a failed rank leaves the others blocked in collectives
             if p.exitcode is None:
                 p.terminate()
@@ -193,3 +205,4 @@ def launch_local(fn: Callable[..., Any], num_procs: int, *args: Any) -> None:
             rank, line = err_q.get()
             raise WorkerError(f"rank {rank}: {line}")
         raise WorkerError(f"rank {rank}: exited with code {failed.exitcode}")
+    return max(p.exitcode for p in procs)
