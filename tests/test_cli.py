@@ -317,3 +317,20 @@ def test_train_help_shows_defaults_metavars_and_groups():
     assert "--hf-checkpoint PATH" in out and "--rollout-batch-size N" in out and "--lr X" in out
     assert "(default: 1024)" in out and "furlong sft only:" in out
     assert "DATA.HF_CHECKPOINT" not in out
+
+
+@pytest.mark.parametrize("edit,needles", [
+    (lambda c: [1, 2], ["config.json", "JSON object", "list"]),
+    (lambda c: {**c, "vocab_size": -1}, ["config.json", "'vocab_size'", "positive integer"]),
+    (lambda c: {**c, "hidden_size": "32"}, ["config.json", "'hidden_size'", "'32'"]),
+    (lambda c: {**c, "rms_norm_eps": "tiny"}, ["config.json", "'rms_norm_eps'"]),
+])
+def test_bad_config_json_is_one_line_naming_the_key(assets, tmp_path, capsys, edit, needles):
+    ck = tmp_path / "ck"
+    shutil.copytree(assets / "ckpt", ck)
+    cfg = json.loads((ck / "config.json").read_text())
+    (ck / "config.json").write_text(json.dumps(edit(cfg)))
+    code, _, err = run_cli(train_flags(assets, tmp_path / "out", ckpt=ck), capsys)
+    assert code == 2
+    assert_one_line(err, *needles)
+    assert not (tmp_path / "out").exists()

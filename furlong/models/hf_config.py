@@ -59,12 +59,29 @@ class ModelArgs:
                 raise ValueError(f"{source}: missing key {key!r}")
             return cfg[key]
 
+        def positive_int(key: str, default: Any = None) -> int:
+            value = cfg.get(key, default) if default is not None else need(key)
+            if value is None:
+                value = default
+            # bool is an int subclass, and "1024" is not a number: both are config mistakes
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{source}: key {key!r} must be a positive integer, got {value!r}")
+            return value
+
+        def positive_float(key: str, default: float) -> float:
+            value = cfg.get(key)
+            if value is None:
+                return default
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{source}: key {key!r} must be a positive number, got {value!r}")
+            return float(value)
+
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: unsupported hidden_act {cfg['hidden_act']!r} (key 'hidden_act'; only silu)")
         if cfg.get("use_sliding_window"):
             raise ValueError(f"{source}: sliding-window attention is not supported (key 'use_sliding_window')")
-        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
-        head_dim = cfg.get("head_dim") or hidden // heads
+        hidden, heads = positive_int("hidden_size"), positive_int("num_attention_heads")
+        head_dim = positive_int("head_dim", hidden // heads) if cfg.get("head_dim") is not None else hidden // heads
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
@@ -72,17 +89,18 @@ class ModelArgs:
             raise ValueError(f"{source}: unsupported dtype {dtype_name!r} (key 'torch_dtype')")
         args = cls(
             model_type=model_type,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=positive_int("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            intermediate_size=positive_int("intermediate_size"),
+            num_layers=positive_int("num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
+            num_kv_heads=positive_int("num_key_value_heads", heads) if cfg.get("num_key_value_heads") else heads,
+            head_dim=head_dim,
             rope_theta=_rope_theta(cfg, source),
-            rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
+            rms_norm_eps=positive_float("rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings")),
-            max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
+            max_position_embeddings=(positive_int("max_position_embeddings")
+                                     if cfg.get("max_position_embeddings") is not None else 4096),
             torch_dtype=_DTYPES[dtype_name],
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -102,8 +120,10 @@ class ModelArgs:
             raise ValueError(f"{cfg_path}: config.json not found")
         try:
             cfg = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{cfg_path}: expected a JSON object of model settings, got a {type(cfg).__name__}")
         return cls.from_hf_config(cfg, source=str(cfg_path))
 
     def to_hf_config(self, dtype: torch.dtype | None = None) -> dict[str, Any]:
