@@ -28,7 +28,8 @@ def _run_failure_types() -> tuple[type, ...]:
     from furlong.loop import CiFailure
     from furlong.rewards.registry import RewardError
     from furlong.rollout.rollout import RolloutError
-    return (RolloutError, CiFailure, RewardError)
+    from furlong.train.checkpoint import SaveError
+    return (RolloutError, CiFailure, RewardError, SaveError)
 
 
 def exit_code_for(e: BaseException) -> int | None:

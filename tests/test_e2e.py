@@ -345,3 +345,26 @@ def test_sigint_to_the_launcher_stops_two_workers_gracefully(assets, tmp_path):
     done = int(stopped[0].split("after rollout ")[1].split("/")[0])
     assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == str(done)
     assert [r["step"] for r in read_metrics(out)] == list(range(done))
+
+
+def test_disk_full_during_a_save_is_one_line_and_keeps_the_last_checkpoint(assets, tmp_path, capsys, monkeypatch):
+    import errno
+    from furlong.train import checkpoint as ckpt_mod
+    real_save, calls = ckpt_mod.dcp.save, []
+
+    def full_disk(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt_mod.dcp, "save", full_disk)
+    ck = tmp_path / "ck"
+    assert main(_resume_flags(assets, tmp_path / "run", 3, "--save", str(ck), "--save-interval", "1")) == 1
+    err = capsys.readouterr().err.strip()
+    assert "no space left on the device" in err and "iter_0000001" in err and "intact" in err
+    assert len(err.splitlines()) == 1
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert not list(ck.glob("*.tmp"))                     # no half-written shards left behind
+    monkeypatch.setattr(ckpt_mod.dcp, "save", real_save)
+    assert main(_resume_flags(assets, tmp_path / "run", 3, "--load", str(ck))) == 0   # the kept one loads

@@ -23,6 +23,7 @@ written and before the rename, so a test can kill a save half-way.
 """
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import random
@@ -111,13 +112,16 @@ def save_checkpoint(save_dir: str | os.PathLike, actor: Any, rollout_id: int,
             shutil.rmtree(tmp)  # left by a crashed save
         tmp.mkdir()
     barrier()
-    model_sd, optim_sd = get_state_dict(actor.model, actor.optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    torch.save(_rng_state(), tmp / f"trainer_rank{rank}.pt")
-    if rank == 0:
-        hf = getattr(getattr(getattr(actor, "cfg", None), "data", None), "hf_checkpoint", None)
-        torch.save({"scheduler": actor.scheduler.state_dict(), "sampler": sampler_state or {},
-                    "rollout_id": rollout_id, "hf_checkpoint": hf}, tmp / "trainer.pt")
+    try:
+        model_sd, optim_sd = get_state_dict(actor.model, actor.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        torch.save(_rng_state(), tmp / f"trainer_rank{rank}.pt")
+        if rank == 0:
+            hf = getattr(getattr(getattr(actor, "cfg", None), "data", None), "hf_checkpoint", None)
+            torch.save({"scheduler": actor.scheduler.state_dict(), "sampler": sampler_state or {},
+                        "rollout_id": rollout_id, "hf_checkpoint": hf}, tmp / "trainer.pt")
+    except (OSError, RuntimeError, dcp.api.CheckpointException) as e:
+        raise _save_failed(e, tmp, save_dir) from e
     sleep_s = float(os.environ.get(SLEEP_ENV, "0"))
     if sleep_s > 0:
         time.sleep(sleep_s)
@@ -129,6 +133,21 @@ def save_checkpoint(save_dir: str | os.PathLike, actor: Any, rollout_id: int,
         _write_atomic(Path(save_dir) / TRACKER, str(rollout_id + 1))
     barrier()
     return final
+
+
+class SaveError(RuntimeError):
+    """A checkpoint could not be written; the previous one (if any) is untouched."""
+
+
+def _save_failed(e: BaseException, tmp: Path, save_dir: str | os.PathLike) -> SaveError:
+    """One line saying why the save failed (disk full named as such) and what is still intact."""
+    shutil.rmtree(tmp, ignore_errors=True)     # the half-written shards would only mislead
+    full = "No space left" in str(e) or getattr(e, "errno", None) == errno.ENOSPC
+    why = "no space left on the device" if full else f"{type(e).__name__}: {e}".splitlines()[0][:200]
+    last = latest_iteration(save_dir)
+    kept = (f"the last complete checkpoint ({Path(save_dir) / f'iter_{last:07d}'}) is intact" if last is not None
+            else "no earlier checkpoint exists")
+    return SaveError(f"--save: writing {tmp} failed ({why}); {kept}")
 
 
 def _check_shapes(path: Path, model_sd: dict[str, Any]) -> None:
