@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -95,42 +96,55 @@ def run_rl(cfg: Config, ctx) -> int:
     return 0
 
 
+class PhaseClock:
+    """Wall-clock seconds of named phases of one step (`with clock("perf/x_time"): ...`)."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+
 def _rollouts(parts: RunParts, ci: "CiChecker", progress: Progress, stop: StopRequest) -> int:
     """The RL steps; 0, or 128 + signal when a SIGINT/SIGTERM stopped the run after a whole step."""
     cfg, ctx, actor, logger = parts.cfg, parts.ctx, parts.actor, parts.logger
     num_rollout, eval_every = cfg.rollout.num_rollout, cfg.eval.eval_interval
     for rollout_id in range(parts.start_rollout, num_rollout):
-        t_step = time.perf_counter()
+        clock = PhaseClock()
         batch = parts.rollout(rollout_id)   # frees the engine's KV cache for the trainer (colocated)
-
-        samples, t_logp = build_train_samples(batch.groups, cfg, actor)   # advantages, old/ref log-probs
-
-        t = time.perf_counter()
-        tm = actor.train_step(samples)
-        t_train = time.perf_counter() - t
+        with clock("perf/log_probs_time"):
+            samples = build_train_samples(batch.groups, cfg, actor)   # advantages, old/ref log-probs
+        with clock("perf/actor_train_time"):
+            tm = actor.train_step(samples)
         if rollout_id == 0:
             ci.check_first_step_kl(tm.ppo_kl)
-
-        t = time.perf_counter()
-        parts.sync_weights()
-        t_sync = time.perf_counter() - t
+        with clock("perf/update_weights_time"):
+            parts.sync_weights()
 
         metrics = {**batch.metrics.as_log(), **tm.to_log()}
         if cfg.log.save_debug_rollout_data and ctx.rank == 0:
             write_eval_samples(parts.output_dir, "train", rollout_id,
                                [s for g in batch.groups for s in g.samples], prefix="rollout")
         if eval_every is not None and parts.eval_sets and (rollout_id + 1) % eval_every == 0:
-            te = time.perf_counter()
-            m = _run_evals(parts, rollout_id)
+            with clock("perf/eval_time"):
+                m = _run_evals(parts, rollout_id)
             ci.observe(m)
             metrics.update(m)
-            metrics["perf/eval_time"] = time.perf_counter() - te
-        step_time = time.perf_counter() - t_step
-        num_train_tokens = sum(s.num_tokens for s in samples)
+        t_train, num_train_tokens = clock.seconds["perf/actor_train_time"], sum(s.num_tokens for s in samples)
+        # perf/rollout_time and perf/rollout_tok_per_s come from the rollout's own clock (as_log)
+        metrics.update(clock.seconds)
         metrics.update({
-            # perf/rollout_time and perf/rollout_tok_per_s come from the rollout's own clock (as_log)
-            "perf/log_probs_time": t_logp, "perf/actor_train_time": t_train,
-            "perf/update_weights_time": t_sync, "perf/step_time": step_time,
+            "perf/step_time": clock.elapsed(),
             "perf/actor_train_tok_per_s": num_train_tokens / max(t_train, 1e-9),
             "perf/actor_train_mfu": parts.mfu(num_train_tokens, t_train),
         })

@@ -12,8 +12,6 @@ the whole batch here, so batch statistics are global without a collective.
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
 from furlong.config import Config
@@ -38,8 +36,8 @@ def shaped_rewards(groups: list[Group], cfg: Config) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.float32)
 
 
-def build_train_samples(groups: list[Group], cfg: Config, actor) -> tuple[list[TrainSample], float]:
-    """(samples with advantages and the log-probs the loss needs, seconds spent in log-prob passes)."""
+def build_train_samples(groups: list[Group], cfg: Config, actor) -> list[TrainSample]:
+    """Samples with advantages and the log-probs the loss needs (module docstring)."""
     a = cfg.algo
     samples = [TrainSample(token_ids=torch.tensor(s.prompt.token_ids + s.response_ids, dtype=torch.long),
                            num_prompt_tokens=len(s.prompt.token_ids),
@@ -47,7 +45,6 @@ def build_train_samples(groups: list[Group], cfg: Config, actor) -> tuple[list[T
                            rollout_log_probs=torch.tensor(s.rollout_log_probs, dtype=torch.float32))
                for g in groups for s in g.samples]
     kl_in_reward = a.kl_coef > 0
-    t = time.perf_counter()
     if a.use_rollout_logprobs:
         for s in samples:
             s.old_log_probs = s.rollout_log_probs
@@ -57,7 +54,6 @@ def build_train_samples(groups: list[Group], cfg: Config, actor) -> tuple[list[T
     if a.use_kl_loss or kl_in_reward:
         for s, lp in zip(samples, actor.compute_log_probs(samples, which="ref")):
             s.ref_log_probs = lp
-    seconds = time.perf_counter() - t
 
     masks = [torch.ones(s.num_response_tokens) for s in samples]
     kl = None
@@ -81,4 +77,4 @@ def build_train_samples(groups: list[Group], cfg: Config, actor) -> tuple[list[T
         advantages = whiten(advantages, masks, None)
     for s, adv in zip(samples, advantages):
         s.advantages = adv.float()
-    return samples, seconds
+    return samples
