@@ -31,7 +31,6 @@ import logging
 import math
 import time
 import warnings
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -39,12 +38,14 @@ import torch.distributed as dist
 from torch.distributed.fsdp import register_fsdp_forward_method
 
 from furlong.config import Config
-from furlong.train.batching import move_micro_batch, num_loss_tokens, pack_micro_batch, token_loss_weights
+from furlong.train.batching import (move_micro_batch, num_loss_tokens, pack_micro_batch, padding_micro_batch,
+                                    response_positions, response_slices, token_loss_weights)
 from furlong.train.planning import fixed_micro_batches, plan_micro_batches, split_across_ranks
 from furlong.train.distributed import DistContext, all_gather_flat
 from furlong.train.fsdp import compile_enabled, compile_layers, default_param_dtype, shard_model
 from furlong.train.logprobs import chunked_log_probs
 from furlong.train.losses import LossMetrics, LossParams, rl_loss, sft_loss
+from furlong.train.train_metrics import StepResult, TrainMetrics
 from furlong.train.optimizer import build_lr_scheduler, build_optimizer
 from furlong.types import MicroBatch, TrainSample
 
@@ -68,69 +69,6 @@ def _sft(mb: MicroBatch, logp: torch.Tensor, ent: torch.Tensor | None, params: L
 
 # Actor(loss=...) -> micro-batch objective: (mb, log_probs, entropy, params) -> (loss, LossMetrics).
 LOSSES: dict[str, Callable] = {"rl": _rl, "sft": _sft}
-
-
-@dataclass
-class TrainMetrics:
-    """One train_step (all optimizer steps of a rollout); loss terms are step means."""
-    loss: float
-    pg_loss: float
-    pg_clipfrac: float
-    ppo_kl: float
-    entropy: float
-    kl_loss: float
-    rollout_logprob_abs_diff: float   # mean |trainer - engine| log-prob of the trained tokens (same weights)
-    grad_norm: float              # before clipping, mean over steps
-    lr: float                     # learning rate of the last step
-    num_steps: int                # optimizer steps taken
-    num_skipped_steps: int        # steps skipped for a non-finite grad norm
-    num_micro_batches: int        # per rank (all ranks run the same count), summed over steps
-    tokens_max_over_mean: float   # rank token balance: max rank tokens / mean (1.0 = perfect)
-    num_tokens: int               # prompt + response tokens trained, all ranks
-    seconds: float
-
-    def to_log(self) -> dict[str, float]:
-        """`train/*` metric names of docs/design.md §7."""
-        return {f"train/{f.name}": getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "seconds"}
-
-
-@dataclass
-class _StepResult:
-    """One optimizer step, on the host."""
-    metrics: LossMetrics          # step aggregates, 0-d CPU tensors (summed over micro-batches and ranks)
-    grad_norm: float
-    finite: bool                  # False: non-finite grad norm, update skipped
-    lr: float
-    num_micro_batches: int
-    num_tokens: int
-    tokens_max_over_mean: float
-
-
-def _dummy_micro_batch(has_old: bool, has_ref: bool) -> MicroBatch:
-    """One token, zero weight: lets a rank without work join the FSDP collectives."""
-    z = lambda: torch.zeros(1, dtype=torch.float32)  # noqa: E731
-    return MicroBatch(
-        input_ids=torch.zeros(1, dtype=torch.long), position_ids=torch.zeros(1, dtype=torch.long),
-        cu_seqlens=torch.tensor([0, 1], dtype=torch.int32), max_seqlen=1, targets=torch.zeros(1, dtype=torch.long),
-        loss_weight=z(), response_mask=z(), advantages=z(), old_log_probs=z() if has_old else None,
-        rollout_log_probs=z(), ref_log_probs=z() if has_ref else None, sample_indices=[],
-    )
-
-
-def _response_slices(mb: MicroBatch, samples: list[TrainSample]) -> list[tuple[int, int]]:
-    """(start, end) in mb's positions of each packed sample's response log-probs."""
-    out = []
-    for k, i in enumerate(mb.sample_indices):
-        start = int(mb.cu_seqlens[k]) + samples[i].num_prompt_tokens - 1
-        out.append((start, start + samples[i].num_response_tokens))
-    return out
-
-
-def _response_positions(slices: list[tuple[int, int]]) -> torch.Tensor:
-    """[R_total] int64 packed positions whose hidden states predict response tokens (host side)."""
-    if not slices:
-        return torch.zeros(0, dtype=torch.long)
-    return torch.cat([torch.arange(s, e, dtype=torch.long) for s, e in slices])
 
 
 class Actor:
@@ -252,9 +190,9 @@ class Actor:
         out: dict[int, torch.Tensor] = {}
         for k in range(num_mb):
             real = k < len(mine)
-            mb = pack_micro_batch(samples, zero_w, mine[k]) if real else _dummy_micro_batch(False, False)
-            slices = _response_slices(mb, samples)  # from the host copy: no device sync
-            positions = _response_positions(slices).to(self.ctx.device, non_blocking=True)
+            mb = pack_micro_batch(samples, zero_w, mine[k]) if real else padding_micro_batch(False, False)
+            slices = response_slices(mb, samples)  # from the host copy: no device sync
+            positions = response_positions(slices).to(self.ctx.device, non_blocking=True)
             logp, _ = self._log_probs(model, move_micro_batch(mb, self.ctx.device), positions, with_entropy=False)
             for i, (s, e) in zip(mb.sample_indices, slices):
                 out[i] = logp[s:e]
@@ -301,7 +239,7 @@ class Actor:
             num_tokens=sum(st.num_tokens for st in steps), seconds=time.perf_counter() - t0,
         )
 
-    def _optimizer_step(self, samples: list[TrainSample]) -> "_StepResult":
+    def _optimizer_step(self, samples: list[TrainSample]) -> "StepResult":
         cfg, ctx = self.cfg, self.ctx
         lengths = [s.num_tokens for s in samples]
         split, plans = self._plan_ranks(lengths)
@@ -322,8 +260,8 @@ class Actor:
             # Reduce-scatter gradients once per optimizer step, after the last micro-batch; before
             # that each rank accumulates unsharded gradients locally (one fp32 copy of the weights).
             self.model.set_requires_gradient_sync(k == num_mb - 1)
-            mb = pack_micro_batch(samples, weights, mine[k]) if k < len(mine) else _dummy_micro_batch(has_old, has_ref)
-            positions = _response_positions(_response_slices(mb, samples)).to(ctx.device, non_blocking=True)
+            mb = pack_micro_batch(samples, weights, mine[k]) if k < len(mine) else padding_micro_batch(has_old, has_ref)
+            positions = response_positions(response_slices(mb, samples)).to(ctx.device, non_blocking=True)
             mb = move_micro_batch(mb, ctx.device)
             logp, ent = self._log_probs(self.model, mb, positions, with_entropy)
             if self.loss_params.entropy_coef == 0 and ent is not None:
@@ -351,7 +289,7 @@ class Actor:
         self.scheduler.step()
         rank_tokens = [sum(lengths[i] for i in idx) for idx in split]
         mean_tokens = sum(rank_tokens) / len(rank_tokens)
-        return _StepResult(
+        return StepResult(
             metrics=LossMetrics(*(torch.tensor(v) for v in host[:-1])), grad_norm=norm, finite=math.isfinite(norm),
             lr=lr, num_micro_batches=num_mb, num_tokens=sum(lengths),
             tokens_max_over_mean=max(rank_tokens) / mean_tokens if mean_tokens > 0 else 1.0)

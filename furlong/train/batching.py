@@ -139,3 +139,33 @@ def move_micro_batch(mb: MicroBatch, device: torch.device | str) -> MicroBatch:
         old_log_probs=mv(mb.old_log_probs), rollout_log_probs=mv(mb.rollout_log_probs),
         ref_log_probs=mv(mb.ref_log_probs), sample_indices=list(mb.sample_indices),
     )
+
+
+# --------------------------------------------------------------------------- padding and response positions
+
+def padding_micro_batch(has_old: bool, has_ref: bool) -> MicroBatch:
+    """One token, zero weight: a rank with fewer micro-batches than the others pads with it to join
+    the FSDP collectives (`empty_micro_batch` is the T = 0 form `pack_micro_batch([])` returns)."""
+    z = lambda: torch.zeros(1, dtype=torch.float32)  # noqa: E731
+    return MicroBatch(
+        input_ids=torch.zeros(1, dtype=torch.long), position_ids=torch.zeros(1, dtype=torch.long),
+        cu_seqlens=torch.tensor([0, 1], dtype=torch.int32), max_seqlen=1, targets=torch.zeros(1, dtype=torch.long),
+        loss_weight=z(), response_mask=z(), advantages=z(), old_log_probs=z() if has_old else None,
+        rollout_log_probs=z(), ref_log_probs=z() if has_ref else None, sample_indices=[],
+    )
+
+
+def response_slices(mb: MicroBatch, samples: list[TrainSample]) -> list[tuple[int, int]]:
+    """(start, end) in mb's positions of each packed sample's response log-probs."""
+    out = []
+    for k, i in enumerate(mb.sample_indices):
+        start = int(mb.cu_seqlens[k]) + samples[i].num_prompt_tokens - 1
+        out.append((start, start + samples[i].num_response_tokens))
+    return out
+
+
+def response_positions(slices: list[tuple[int, int]]) -> torch.Tensor:
+    """[R_total] int64 packed positions whose hidden states predict response tokens (host side)."""
+    if not slices:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.cat([torch.arange(s, e, dtype=torch.long) for s, e in slices])
