@@ -11,8 +11,7 @@ import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 
-from furlong.train.advantages import (ESTIMATORS, AdvantageInputs, AdvantageParams, get_advantage_fn,
-                                      get_estimator, grpo_advantages, whiten)
+from furlong.train.advantages import ESTIMATORS, AdvantageInputs, AdvantageParams, get_estimator, whiten
 
 
 # ------------------------------------------------------------------ random inputs
@@ -201,7 +200,22 @@ def test_registry_and_errors():
         assert get_estimator(name) is ESTIMATORS[name]
     with pytest.raises(ValueError, match="--advantage-estimator.*'gae'.*reinforce_plus_plus"):
         get_estimator("gae")
-    assert get_advantage_fn("grpo") is grpo_advantages   # the legacy per-sample API still resolves
+
+
+
+def test_disable_rewards_normalization_gives_raw_rewards():
+    """--disable-rewards-normalization: grpo/gspo put the raw reward on every token; the
+    reinforce++ baseline skips its group mean but keeps the per-token KL penalty."""
+    rewards = torch.tensor([[1.0, 0.0, 3.0], [2.0, 2.0, 5.0]])
+    masks = [torch.ones(k) for k in (2, 3, 1, 4, 2, 3)]
+    kl = [torch.full((m.numel(),), 0.5) for m in masks]
+    raw = AdvantageParams(normalize_rewards=False, kl_coef=0.2)
+    adv, _ = get_estimator("grpo")(AdvantageInputs(rewards, masks, None), raw)
+    for a, r, m in zip(adv, rewards.flatten(), masks):
+        torch.testing.assert_close(a, torch.full((m.numel(),), float(r)))
+    adv, _ = get_estimator("reinforce_plus_plus_baseline")(AdvantageInputs(rewards, masks, kl), raw)
+    for a, r, m in zip(adv, rewards.flatten(), masks):
+        torch.testing.assert_close(a, torch.full((m.numel(),), float(r) - 0.2 * 0.5))
     inputs, *_ = _batch(0, 2, 2)
     with pytest.raises(ValueError, match="values"):
         get_estimator("ppo")(inputs, AdvantageParams())

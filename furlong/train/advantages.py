@@ -65,23 +65,6 @@ def grpo_advantages(rewards: torch.Tensor, normalize_std: bool = True) -> torch.
     return centered / scale
 
 
-# Legacy per-sample registry (rewards [G, n], normalize_std) -> [G, n]; kept for old callers.
-AdvantageFn = Callable[[torch.Tensor, bool], torch.Tensor]
-
-ADVANTAGE_FNS: dict[str, AdvantageFn] = {
-    "grpo": grpo_advantages,
-}
-
-
-def get_advantage_fn(name: str) -> AdvantageFn:
-    """The legacy per-sample estimator registered under `name`."""
-    try:
-        return ADVANTAGE_FNS[name]
-    except KeyError:
-        raise ValueError(f"--advantage-estimator: unknown estimator {name!r} "
-                         f"({', '.join(sorted(ADVANTAGE_FNS))})") from None
-
-
 @dataclass
 class AdvantageInputs:
     rewards: torch.Tensor                      # [G, n] float32, one scalar reward per sample
@@ -93,6 +76,8 @@ class AdvantageInputs:
 @dataclass
 class AdvantageParams:
     normalize_std: bool = True   # grpo/gspo: divide by the group std
+    normalize_rewards: bool = True   # grpo/gspo/reinforce++-baseline: subtract the group mean (miles'
+                                     # --disable-rewards-normalization turns this off: raw rewards)
     kl_coef: float = 0.0         # KL penalty folded into the token rewards (reinforce++ family, ppo)
     gamma: float = 1.0           # discount
     lambd: float = 1.0           # GAE lambda
@@ -153,8 +138,10 @@ def _discounted_cumsum(x: torch.Tensor, discount: float) -> torch.Tensor:
 
 def estimate_grpo(inputs: AdvantageInputs, params: AdvantageParams) -> TokenLists:
     """GRPO (also GSPO): group-normalized reward on every response token; returns = advantages."""
-    _checked_rewards(inputs)
-    adv = _broadcast(grpo_advantages(inputs.rewards, params.normalize_std).reshape(-1), inputs.response_masks)
+    rewards = _checked_rewards(inputs)                                 # [N]
+    if params.normalize_rewards:
+        rewards = grpo_advantages(inputs.rewards, params.normalize_std).reshape(-1)
+    adv = _broadcast(rewards, inputs.response_masks)
     return adv, adv
 
 
@@ -189,8 +176,9 @@ def estimate_reinforce_plus_plus(inputs: AdvantageInputs, params: AdvantageParam
 
 def estimate_reinforce_plus_plus_baseline(inputs: AdvantageInputs, params: AdvantageParams) -> TokenLists:
     """REINFORCE++-baseline: (r_i - group mean) on every token minus kl_coef * kl_t; no discounting."""
-    _checked_rewards(inputs)
-    centered = grpo_advantages(inputs.rewards, normalize_std=False).reshape(-1)   # [N]
+    centered = _checked_rewards(inputs)                                # [N]
+    if params.normalize_rewards:
+        centered = grpo_advantages(inputs.rewards, normalize_std=False).reshape(-1)
     adv = [b + _kl_penalty(inputs, params, i)
            for i, b in enumerate(_broadcast(centered, inputs.response_masks))]
     return adv, adv

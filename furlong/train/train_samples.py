@@ -60,17 +60,10 @@ def build_train_samples(groups: list[Group], cfg: Config, actor) -> list[TrainSa
     if kl_in_reward:
         kl = [kl_penalty(s.old_log_probs, s.ref_log_probs, a.kl_loss_type) for s in samples]
     inputs = AdvantageInputs(rewards=shaped_rewards(groups, cfg), response_masks=masks, kl=kl)
-    params = AdvantageParams(normalize_std=not a.disable_grpo_std_normalization, kl_coef=a.kl_coef,
+    params = AdvantageParams(normalize_std=not a.disable_grpo_std_normalization,
+                             normalize_rewards=not a.disable_rewards_normalization, kl_coef=a.kl_coef,
                              gamma=a.gamma, lambd=a.lambd)
-    if a.disable_rewards_normalization and a.advantage_estimator in ("grpo", "gspo", "reinforce_plus_plus_baseline"):
-        # raw rewards (no group mean, no std), as miles skips its reward normalisation; the
-        # baseline variant keeps its per-token KL penalty
-        raw = inputs.rewards.flatten().tolist()
-        advantages = [torch.full((s.num_response_tokens,), float(r)) for s, r in zip(samples, raw)]
-        if kl is not None:
-            advantages = [adv - a.kl_coef * k for adv, k in zip(advantages, kl)]
-    else:
-        advantages, _ = get_estimator(a.advantage_estimator)(inputs, params)
+    advantages, _ = get_estimator(a.advantage_estimator)(inputs, params)
     # miles requires whitening for the reinforce_plus_plus family (its returns are not centred);
     # furlong applies it for them whether or not --normalize-advantages is given.
     if a.normalize_advantages or a.advantage_estimator.startswith("reinforce_plus_plus"):
