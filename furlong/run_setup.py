@@ -107,9 +107,6 @@ class RunParts:
     actor: Any | None                          # train.actor.Actor (None for eval only)
     start_rollout: int
     num_params: int
-    model_args: Any                            # ModelArgs
-    engine_dtype: torch.dtype
-    max_prompt_len: int                        # longest prompt of the training and eval sets (tokens)
 
     def rollout(self, rollout_id: int):
         """One rollout; the engine's KV cache is freed after it (colocated: the trainer needs it)."""
@@ -237,8 +234,7 @@ def build_run(cfg: Config, ctx, with_actor: bool) -> RunParts:
 
     parts = RunParts(cfg=cfg, ctx=ctx, output_dir=out, logger=logger, dataset=dataset, eval_sets=eval_sets,
                      engine=engine, reward_fn=reward_fn, filter_fn=filter_fn, actor=actor,
-                     start_rollout=0, num_params=num_params, model_args=args, engine_dtype=dtype,
-                     max_prompt_len=max_prompt_len)
+                     start_rollout=0, num_params=num_params)
     if cfg.ckpt.load is not None and actor is not None:
         from furlong.train.checkpoint import load_checkpoint
         state = load_checkpoint(cfg.ckpt.load, actor)
