@@ -150,12 +150,13 @@ class Engine:
         """One plan (a prefill or a decode window); returns the sequences that finished in it."""
         if self.scheduler is None:
             return []
-        started = time.perf_counter()
+        started, preempted = time.perf_counter(), self.scheduler.num_preemptions
         with torch.inference_mode():
             plan = self.scheduler.schedule()
             done = [] if plan is None else (self._prefill(plan) if plan.prefill else self._decode(plan))
         self.stats.seconds += time.perf_counter() - started
-        self.stats.num_preemptions = self.scheduler.num_preemptions
+        # a delta, so reset_stats starts the count anew even within one KV session
+        self.stats.num_preemptions += self.scheduler.num_preemptions - preempted
         return done
 
     def generate(self, requests: list[Request]) -> list[list[Completion]]:
