@@ -117,6 +117,10 @@ def _build_parser() -> _Parser:
     d.add_argument("--output-dir", default=None)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--quick", action="store_true", help="smaller, faster settings (tests)")
+    d.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cpu: the laptop preset; cuda: the GPU preset (a larger model and task, ~10 min on one H200)")
+    d.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", dest="settings",
+                   help="override one setting of the preset (a DemoScale field in furlong/demo.py); repeatable")
     b = sub.add_parser("bench", help="benchmark one RL step of a workload file")
     b.add_argument("--workload", required=True)
     b.add_argument("--output", default=None)
@@ -165,7 +169,8 @@ def _run(argv: list[str]) -> int:
         return 0
     if args.command == "demo":
         from furlong.demo import run_demo
-        return run_demo(args.output_dir, seed=args.seed, quick=args.quick)
+        return run_demo(args.output_dir, seed=args.seed, quick=args.quick, device=args.device,
+                        settings=args.settings)
     if args.command == "bench":
         from furlong.bench import run_bench
         return run_bench(args.workload, args.output, args.parts)

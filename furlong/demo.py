@@ -11,7 +11,14 @@
 5. GRPO with the reference workload's recipe (math reward, n samples per prompt,
    dynamic-sampling filter, dynamic batching), scaled down, with held-out eval
    before and after.
-It prints `demo: held-out accuracy A% -> B%`.
+It prints `demo: held-out accuracy A% -> B%` and draws the GRPO run (`furlong plot`) to
+grpo/metrics.png when matplotlib is installed.
+
+Presets (`--device`): "cpu" (above), "gpu" (`--device cuda`: a ~20M-parameter model, harder
+problems, a few hundred GRPO rollouts, about ten minutes on one H200) and "quick" (tests). On the
+GPU preset every SFT solution is boxed: there is no format to learn, so the gain is arithmetic.
+`--set NAME=VALUE` overrides one DemoScale field (repeatable), for trying task difficulty or
+learning rates without editing code.
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ class DemoScale:
     num_train: int = 4000
     num_test: int = 200
     max_number: int = 10
+    max_factor: int = 5
     two_step_fraction: float = 0.1
     sft_unboxed_fraction: float = 0.5
     vocab_size: int = 384
@@ -44,11 +52,40 @@ class DemoScale:
     grpo_steps_per_rollout: int = 1
     max_response_len: int = 40
     dynamic_filter: bool = True
+    eval_interval: int = 0            # 0: evaluate before and after GRPO only
+    device: str = "cpu"
+    kv_fraction: float = 0.3          # of free GPU memory, for the engine's KV cache (GPU only)
 
 
-# Plumbing only (tests): too little SFT to score, so no filter (it would find no mixed groups).
-QUICK = DemoScale(num_train=600, num_test=40, hidden=64, num_layers=2, sft_epochs=1, num_rollout=2,
-                  rollout_batch_size=8, n_samples=4, dynamic_filter=False)
+PRESETS = {
+    "cpu": DemoScale(),
+    # Plumbing only (tests): too little SFT to score, so no filter (it would find no mixed groups).
+    "quick": DemoScale(num_train=600, num_test=40, hidden=64, num_layers=2, sft_epochs=1, num_rollout=2,
+                       rollout_batch_size=8, n_samples=4, dynamic_filter=False),
+    # Two-digit numbers, mostly two-step problems, every SFT solution boxed; one short SFT epoch leaves
+    # the arithmetic far from perfect, and GRPO has a few hundred rollouts of 64 prompts x 8 samples.
+    "gpu": DemoScale(num_train=30000, num_test=500, max_number=99, max_factor=9, two_step_fraction=0.7,
+                     sft_unboxed_fraction=0.0, vocab_size=512, hidden=384, num_layers=8, num_heads=6,
+                     sft_epochs=1, sft_lr=1e-3, sft_batch=128, num_rollout=300, rollout_batch_size=64,
+                     grpo_lr=3e-5, max_response_len=64, eval_interval=25, device="cuda"),
+}
+
+
+def apply_overrides(scale: DemoScale, settings: list[str]) -> DemoScale:
+    """`--set NAME=VALUE` strings -> a copy of `scale` with those fields replaced (typed as the field)."""
+    import dataclasses
+    fields = {f.name: f for f in dataclasses.fields(DemoScale)}
+    changes = {}
+    for item in settings:
+        name, sep, value = item.partition("=")
+        if not sep or name not in fields:
+            raise ValueError(f"--set: expected NAME=VALUE with NAME one of {', '.join(fields)}; got {item!r}")
+        kind = type(getattr(scale, name))
+        try:
+            changes[name] = (value.lower() in ("1", "true", "yes")) if kind is bool else kind(value)
+        except ValueError:
+            raise ValueError(f"--set {name}: {value!r} is not a {kind.__name__}") from None
+    return dataclasses.replace(scale, **changes)
 
 
 def write_random_qwen3(out_dir: Path, tokenizer_dir: Path, scale: DemoScale, seed: int) -> Path:
@@ -102,32 +139,39 @@ def grpo_config(out: Path, data: Path, scale: DemoScale, seed: int) -> Config:
         rl.rollout.dynamic_sampling_filter_path = \
             "miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"
     rl.eval.eval_prompt_data = ["synthetic", str(data / "test.parquet")]
-    rl.eval.eval_interval = scale.num_rollout
+    rl.eval.eval_interval = scale.eval_interval or scale.num_rollout
     rl.eval.eval_top_k = 1
     rl.optim.lr, rl.optim.weight_decay = scale.grpo_lr, 0.0
     rl.optim.adam_beta1, rl.optim.adam_beta2 = 0.9, 0.98
     rl.batch.global_batch_size = scale.rollout_batch_size * scale.n_samples // scale.grpo_steps_per_rollout
-    rl.batch.use_dynamic_batch_size, rl.batch.max_tokens_per_gpu = True, "8192"
+    rl.batch.use_dynamic_batch_size, rl.batch.max_tokens_per_gpu = True, "8192" if scale.device == "cpu" else "65536"
     rl.algo.eps_clip, rl.algo.eps_clip_high = 0.2, 0.28
-    rl.parallel.device, rl.parallel.seed = "cpu", seed
+    rl.parallel.device, rl.parallel.seed = scale.device, seed
+    rl.rollout.rollout_kv_fraction = scale.kv_fraction
     rl.log.output_dir = str(out / "grpo")
     return rl
 
 
 def run_demo(output_dir: str | None = None, seed: int = 0, quick: bool = False,
-             scale: DemoScale | None = None) -> int:
+             scale: DemoScale | None = None, device: str = "cpu", settings: list[str] | None = None) -> int:
+    """The demo at `scale`, else the preset for `device` ("quick" with quick=True), with --set overrides."""
     from furlong.sft import run_sft
     from furlong.loop import run_rl
     from furlong.tasks.synthetic import corpus, make_problems, plain_solution, prepare_synthetic
     from furlong.tasks.tokenizer import build_tokenizer
     from furlong.train.distributed import destroy_distributed, init_distributed
 
-    scale = scale or (QUICK if quick else DemoScale())
+    if scale is None:
+        preset = "quick" if quick else {"cpu": "cpu", "cuda": "gpu"}.get(device)
+        if preset is None:
+            raise ValueError(f"--device: {device!r} is not cpu or cuda")
+        scale = PRESETS[preset]
+    scale = apply_overrides(scale, settings or [])
     out = Path(output_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     t0 = time.perf_counter()
     print(f"demo: writing to {out}", flush=True)
     data = out / "data"
-    task = dict(max_number=scale.max_number, two_step_fraction=scale.two_step_fraction)
+    task = dict(max_number=scale.max_number, max_factor=scale.max_factor, two_step_fraction=scale.two_step_fraction)
     prepare_synthetic(data, scale.num_train, scale.num_test, seed, sft_unboxed_fraction=scale.sft_unboxed_fraction,
                       **task)
     train, _ = make_problems(scale.num_train, scale.num_test, seed, **task)
@@ -137,7 +181,7 @@ def run_demo(output_dir: str | None = None, seed: int = 0, quick: bool = False,
     print(f"demo: data, tokenizer and a random {scale.num_layers}-layer Qwen3 model ready "
           f"({time.perf_counter() - t0:.0f}s)", flush=True)
 
-    ctx = init_distributed("cpu")
+    ctx = init_distributed(scale.device)
     try:
         sft = Config()
         sft.data.hf_checkpoint = str(base)
@@ -150,7 +194,7 @@ def run_demo(output_dir: str | None = None, seed: int = 0, quick: bool = False,
         sft.batch.global_batch_size = scale.sft_batch
         sft.batch.use_dynamic_batch_size, sft.batch.max_tokens_per_gpu = True, "8192"
         sft.sft.num_epoch = scale.sft_epochs
-        sft.parallel.device, sft.parallel.seed = "cpu", seed
+        sft.parallel.device, sft.parallel.seed = scale.device, seed
         sft.ckpt.save = str(out / "sft_model")
         sft.log.output_dir = str(out / "sft")
         print("demo: supervised fine-tuning on worked solutions", flush=True)
@@ -164,6 +208,17 @@ def run_demo(output_dir: str | None = None, seed: int = 0, quick: bool = False,
 
     scores = _eval_scores(out / "grpo" / "metrics.jsonl", "eval/synthetic")
     before, after = scores[0], scores[-1]
+    _plot(out / "grpo")
     print(f"demo: held-out accuracy {100 * before:.1f}% -> {100 * after:.1f}% "
           f"({time.perf_counter() - t0:.0f}s)", flush=True)
     return 0
+
+
+def _plot(run_dir: Path) -> None:
+    """grpo/metrics.png, when matplotlib is there (an optional dependency)."""
+    try:
+        from furlong.plot import plot_run
+        path = plot_run(run_dir, run_dir / "metrics.png")
+    except ImportError:
+        return
+    print(f"demo: plot {path}", flush=True)

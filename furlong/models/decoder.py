@@ -60,22 +60,31 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttnInputs) -> torch.Tensor:
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+    def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Normed hidden h [B, T, H] -> q [B, T, Hq, D], k and v [B, T, Hkv, D] (q, k normed and roped)."""
+        b, t, _ = h.shape
+        q = self.q_proj(h).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(h).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(h).view(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnInputs) -> torch.Tensor:
+        """Attention core: q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq * D] (before o_proj)."""
+        b, t = q.shape[:2]
         if ctx.cu_seqlens is not None:   # packed: b == 1
             out = packed_attention(q[0], k[0], v[0], ctx.cu_seqlens, ctx.max_seqlen)
-            return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
+            return out.reshape(b, t, self.num_heads * self.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # [B, H, T, D]
         mask = ctx.mask
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+        return out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttnInputs) -> torch.Tensor:
+        return self.o_proj(self.attend(*self.project(h, cos, sin), ctx))
 
 
 class MLP(nn.Module):
@@ -101,9 +110,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttnInputs) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+    # A layer is three steps, so that `compile_layers` (train/fsdp.py) can compile the two around the
+    # attention kernel: the norms, RoPE, SiLU and residual adds fuse into a few kernels there.
+    def pre_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, H] -> q [B, T, Hq, D], k and v [B, T, Hkv, D]."""
+        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def post_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H], attn [B, T, Hq * D] (the attention core's output) -> next x [B, T, H]."""
+        x = x + self.self_attn.o_proj(attn)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttnInputs) -> torch.Tensor:
+        q, k, v = self.pre_attention(x, cos, sin)
+        return self.post_attention(x, self.self_attn.attend(q, k, v, ctx))
 
 
 class Transformer(nn.Module):

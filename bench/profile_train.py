@@ -1,0 +1,120 @@
+"""Where one train step's time goes (device): kernels grouped by kind, and the GPU's idle time.
+
+The bench's seed step (random Qwen3-0.6B, 256 samples, --max-tokens-per-gpu 32768), one warm-up
+train_step, then one profiled with torch.profiler (CUDA kernels only). Kinds are matched on kernel
+names; "idle" is the step's wall time minus the union of kernel intervals (host gaps: Python,
+launches, syncs). Also times the step unprofiled (the median of 3).
+
+    python3 bench/profile_train.py [--out DIR] [--label NAME] [--budget 32768] [--recompute]
+Writes DIR/profile_train_NAME.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from furlong.bench.measure import peak_gib, reset_peak
+from furlong.bench.state import Bench
+from furlong.bench.workload import load_workload
+
+# First match wins; the names are those of cuBLAS/CUTLASS, flash-attention, torch's eager kernels
+# and inductor's generated Triton kernels (triton_poi/red/per_...).
+KINDS = (
+    ("attention (flash fwd/bwd)", ("flash", "fmha", "attention")),
+    ("matmul", ("gemm", "gemv", "cutlass", "sm90_", "nvjet", "cublas", "xmma")),
+    ("optimizer (adam)", ("adam", "multi_tensor_apply")),
+    ("FSDP copy-in/out, casts", ("chunk_cat", "split_with_sizes", "foreach_copy", "all_gather", "reduce_scatter",
+                                 "nccl")),
+    ("compiled elementwise (triton)", ("triton_",)),
+    ("index/gather/scatter", ("index", "gather", "scatter")),
+    ("reductions (eager)", ("reduce_kernel", "norm_kernel")),
+    ("eager elementwise/copies", ("elementwise", "copy", "fill", "cat")),
+)
+
+
+def kind(name: str) -> str:
+    low = name.lower()
+    for label, keys in KINDS:
+        if any(k in low for k in keys):
+            return label
+    return "other"
+
+
+def _busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (us)."""
+    total, end_max = 0.0, None
+    for s, e in sorted(intervals):
+        if end_max is None or s > end_max:
+            total += e - s
+            end_max = e
+        elif e > end_max:
+            total += e - end_max
+            end_max = e
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--label", default="baseline")
+    ap.add_argument("--budget", type=int, default=32768)
+    ap.add_argument("--recompute", action="store_true")
+    a = ap.parse_args()
+    b = Bench(load_workload(Path(__file__).with_name("seed_workload.json")))
+    if a.recompute:
+        b.config = (lambda orig: lambda **kw: orig(**{"gradient_checkpointing": True, **kw}))(b.config)
+    actor, samples, dev = b.actor(), b.train_samples(), b.device
+    actor.max_tokens_per_gpu = a.budget
+    num_tokens = sum(s.num_tokens for s in samples)
+    actor.train_step(samples)                                       # warm-up: compiles
+    times = []
+    reset_peak(dev)
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        tm = actor.train_step(samples)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    peak = peak_gib(dev)
+    step_s = statistics.median(times)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        actor.train_step(samples)
+        torch.cuda.synchronize()
+        prof_wall = time.perf_counter() - t
+    per_kind: dict[str, float] = defaultdict(float)
+    per_kernel: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    intervals = []
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA or e.name.startswith("cuda"):
+            continue
+        us = e.time_range.end - e.time_range.start
+        if us <= 0:
+            continue
+        intervals.append((e.time_range.start, e.time_range.end))
+        per_kind[kind(e.name)] += us / 1000
+        per_kernel[e.name[:120]] += us / 1000
+        counts[e.name[:120]] += 1
+    busy_ms = _busy_us(intervals) / 1000
+    res = {"label": a.label, "num_tokens": num_tokens, "budget": a.budget, "recompute": a.recompute,
+           "num_micro_batches": tm.num_micro_batches, "step_s_median3": step_s, "step_s_all": times,
+           "tok_per_s": num_tokens / step_s, "peak_gib": peak, "profiled_wall_ms": prof_wall * 1000,
+           "gpu_busy_ms": busy_ms, "gpu_idle_ms": prof_wall * 1000 - busy_ms,
+           "kernel_ms_by_kind": dict(sorted(per_kind.items(), key=lambda kv: -kv[1])),
+           "top_kernels_ms": {k: [round(v, 2), counts[k]] for k, v in
+                              sorted(per_kernel.items(), key=lambda kv: -kv[1])[:40]}}
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / f"profile_train_{a.label}.json").write_text(json.dumps(res, indent=1))
+    print(json.dumps(res, indent=1), flush=True)
+
+
+if __name__ == "__main__":
+    main()
