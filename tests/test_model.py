@@ -131,6 +131,28 @@ def test_packed_grads_with_and_without_checkpointing(ckpts):
         torch.testing.assert_close(ckpt[name], plain[name], rtol=1e-5, atol=1e-6)
 
 
+def test_kv_heads_expanded_before_attention_give_the_same_grads(ckpts, monkeypatch):
+    """K/V heads repeated in pre_attention (what CUDA's varlen kernel without GQA gets) compute the
+    same function and gradients as the attention path's own GQA handling."""
+    import furlong.models.decoder as decoder
+    model = load_pretrained(ckpts["qwen3-untied-bias-sharded"]).train()
+    assert model.args.num_heads > model.args.num_kv_heads
+    _, ids, pos, cu = _packed_batch([4, 9, 6], seed=5)
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        hidden = model.forward_packed(ids, pos, cu, 9)
+        (hidden.square().sum()).backward()
+        return hidden.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    h0, g0 = run()
+    monkeypatch.setattr(decoder, "packed_kv_repeat", lambda x, groups: groups)
+    h1, g1 = run()
+    torch.testing.assert_close(h1, h0, rtol=1e-5, atol=1e-6)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-5, atol=1e-6)
+
+
 def test_empty_packed_row(ckpts):
     model = load_pretrained(ckpts["qwen3-tied"])
     empty = torch.zeros(0, dtype=torch.long)

@@ -95,6 +95,15 @@ def select_packed_impl(q: torch.Tensor) -> str:
     return "per_sample"
 
 
+def packed_kv_repeat(x: torch.Tensor, num_groups: int) -> int:
+    """How many times the caller should repeat K/V heads before `packed_attention` on tensors like
+    x: num_groups for a varlen kernel without GQA (the expansion is then fused upstream rather than
+    a separate copy here), else 1 (the kernel or the per-sample path handles GQA itself)."""
+    if num_groups > 1 and select_packed_impl(x) == "varlen" and not _varlen_kernel()[2]:
+        return num_groups
+    return 1
+
+
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                      max_seqlen: int, impl: str | None = None) -> torch.Tensor:
     """Causal attention within each packed sample.

@@ -53,18 +53,41 @@ def _chunk_grad(zb: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, ent:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernels(compiled: bool):
-    """(stats, grad) chunk functions; on CUDA compiled so each chunk's elementwise work is
-    one or two fused passes over the [C, V] logits instead of about ten eager ones."""
-    if not compiled:
+def _kernels(impl: str):
+    """(stats, grad) chunk functions of `impl` (see select_impl)."""
+    if impl == "eager":
         return _chunk_stats, _chunk_grad
-    return (torch.compile(_chunk_stats, dynamic=True), torch.compile(_chunk_grad, dynamic=True))
+    if impl == "compiled":
+        return (torch.compile(_chunk_stats, dynamic=True), torch.compile(_chunk_grad, dynamic=True))
+    if impl == "triton":
+        from furlong.train import logprob_kernels
+        return logprob_kernels.chunk_stats, logprob_kernels.chunk_grad
+    raise ValueError(f"chunked_log_probs: unknown impl {impl!r} (eager, compiled, triton)")
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def select_impl(hidden: torch.Tensor, compiled: bool | None) -> str:
+    """The one place the chunk kernels are chosen: Triton on CUDA (one pass per chunk and
+    direction), else torch.compile'd when `compiled` (default: on CUDA), else eager. fp64
+    (exact gradient checks) is always eager."""
+    if hidden.dtype == torch.float64:
+        return "eager"
+    if hidden.is_cuda and _has_triton():
+        return "triton"
+    return "compiled" if (hidden.is_cuda if compiled is None else compiled) else "eager"
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, compiled):
-        stats, _ = _kernels(compiled)
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, impl):
+        stats, _ = _kernels(impl)
         num_tokens = hidden.shape[0]
         logp = torch.empty(num_tokens, dtype=_compute_dtype(hidden.dtype), device=hidden.device)
         lse = torch.empty_like(logp)
@@ -74,7 +97,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
             lse[s:e], logp[s:e], ent_c = stats(hidden[s:e] @ weight.t(), targets[s:e], temperature, with_entropy)
             if with_entropy:
                 ent[s:e] = ent_c
-        ctx.temperature, ctx.chunk_size, ctx.with_entropy, ctx.compiled = temperature, chunk_size, with_entropy, compiled
+        ctx.temperature, ctx.chunk_size, ctx.with_entropy, ctx.impl = temperature, chunk_size, with_entropy, impl
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, targets, lse, *([ent] if with_entropy else []))
         return logp, ent
@@ -86,7 +109,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if grad_logp is None and grad_ent is None:
             return (None,) * 7
-        _, grad_fn = _kernels(ctx.compiled)
+        _, grad_fn = _kernels(ctx.impl)
         num_tokens = hidden.shape[0]
         grad_h = torch.zeros_like(hidden) if need_h else None
         # fp32 accumulator: summing many bf16 per-chunk products in bf16 would lose precision.
@@ -107,15 +130,17 @@ class _ChunkedLogProbs(torch.autograd.Function):
 
 def chunked_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                       temperature: float = 1.0, chunk_size: int = 4096, with_entropy: bool = False,
-                      compiled: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      compiled: bool | None = None, impl: str | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets[t] | position t) [T] fp32 and entropy [T] fp32 (None unless with_entropy).
 
     (fp64 inputs compute and return fp64.)
 
     hidden [T, H] final normed hidden states, weight [V, H] the LM head (same
     dtype as hidden), targets [T] int64, temperature divides the logits.
-    Differentiable in hidden and weight. compiled: fuse the per-chunk elementwise work with
-    torch.compile (default: on CUDA); the eager path computes the same function.
+    Differentiable in hidden and weight. The chunk kernels are picked by `select_impl` (Triton on
+    CUDA; compiled: torch.compile off CUDA when True); `impl` forces "eager", "compiled" or
+    "triton" (tests). All compute the same function.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"chunked_log_probs: hidden {tuple(hidden.shape)} and weight "
@@ -128,7 +153,6 @@ def chunked_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
         raise ValueError(f"chunked_log_probs: chunk_size must be >= 1, got {chunk_size}")
     if temperature <= 0:
         raise ValueError(f"--rollout-temperature: log-probs need a temperature > 0, got {temperature}")
-    if compiled is None:
-        compiled = hidden.is_cuda
+    impl = impl or select_impl(hidden, compiled)
     return _ChunkedLogProbs.apply(hidden, weight, targets.long(), float(temperature), int(chunk_size),
-                                  bool(with_entropy), bool(compiled))
+                                  bool(with_entropy), impl)
