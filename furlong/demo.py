@@ -14,9 +14,10 @@
 It prints `demo: held-out accuracy A% -> B%` and draws the GRPO run (`furlong plot`) to
 grpo/metrics.png when matplotlib is installed.
 
-Presets (`--device`): "cpu" (above), "gpu" (`--device cuda`: a ~20M-parameter model, harder
-problems, a few hundred GRPO rollouts, about ten minutes on one H200) and "quick" (tests). On the
-GPU preset every SFT solution is boxed: there is no format to learn, so the gain is arithmetic.
+Presets (`--device`): "cpu" (above), "gpu" (`--device cuda`: a 14M-parameter model, two-digit
+two-step problems, a few hundred GRPO rollouts, under ten minutes on one H200) and "quick" (tests).
+On the GPU preset every SFT solution is boxed, so there is no answer format to learn; half of them
+skip the worked steps, and what GRPO can learn is to work the problem, and the arithmetic itself.
 `--set NAME=VALUE` overrides one DemoScale field (repeatable), for trying task difficulty or
 learning rates without editing code.
 """
@@ -38,6 +39,7 @@ class DemoScale:
     max_factor: int = 5
     two_step_fraction: float = 0.1
     sft_unboxed_fraction: float = 0.5
+    sft_direct_fraction: float = 0.0  # SFT solutions that skip the worked steps (tasks/synthetic.py)
     vocab_size: int = 384
     hidden: int = 128
     num_layers: int = 4
@@ -62,12 +64,14 @@ PRESETS = {
     # Plumbing only (tests): too little SFT to score, so no filter (it would find no mixed groups).
     "quick": DemoScale(num_train=600, num_test=40, hidden=64, num_layers=2, sft_epochs=1, num_rollout=2,
                        rollout_batch_size=8, n_samples=4, dynamic_filter=False),
-    # Two-digit numbers, mostly two-step problems, every SFT solution boxed; one short SFT epoch leaves
-    # the arithmetic far from perfect, and GRPO has a few hundred rollouts of 64 prompts x 8 samples.
+    # Two-digit numbers, mostly two-step problems, every SFT solution boxed, but half of them give the
+    # answer without the worked steps: the fine-tuned model sometimes skips the working and is then
+    # mostly wrong. Two short SFT epochs leave the arithmetic far from perfect; GRPO has a few hundred
+    # rollouts of 64 prompts x 8 samples to prefer working the problem and to get it right.
     "gpu": DemoScale(num_train=30000, num_test=500, max_number=99, max_factor=9, two_step_fraction=0.7,
-                     sft_unboxed_fraction=0.0, vocab_size=512, hidden=384, num_layers=8, num_heads=6,
-                     sft_epochs=1, sft_lr=1e-3, sft_batch=128, num_rollout=300, rollout_batch_size=64,
-                     grpo_lr=3e-5, max_response_len=64, eval_interval=25, device="cuda"),
+                     sft_unboxed_fraction=0.0, sft_direct_fraction=0.5, vocab_size=512, hidden=384, num_layers=8,
+                     num_heads=6, sft_epochs=2, sft_lr=1e-3, sft_batch=128, num_rollout=300, rollout_batch_size=64,
+                     grpo_lr=5e-5, max_response_len=64, eval_interval=25, device="cuda"),
 }
 
 
@@ -173,7 +177,7 @@ def run_demo(output_dir: str | None = None, seed: int = 0, quick: bool = False,
     data = out / "data"
     task = dict(max_number=scale.max_number, max_factor=scale.max_factor, two_step_fraction=scale.two_step_fraction)
     prepare_synthetic(data, scale.num_train, scale.num_test, seed, sft_unboxed_fraction=scale.sft_unboxed_fraction,
-                      **task)
+                      sft_direct_fraction=scale.sft_direct_fraction, **task)
     train, _ = make_problems(scale.num_train, scale.num_test, seed, **task)
     texts = corpus(train) + [plain_solution(p) for p in train]
     tok_dir = build_tokenizer(texts, out / "tokenizer", vocab_size=scale.vocab_size)

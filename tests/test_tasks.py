@@ -204,3 +204,15 @@ def test_sft_rows_unboxed_fraction_mixes_styles_the_reward_reads_or_not():
         assert score("math", t, r["label"]) == (1.0 if "\\boxed{" in t else 0.0)
         assert t.endswith(f"\\boxed{{{r['label']}}}") or t.endswith(f"So the result is {r['label']}.")
     assert sft_rows(train) == sft_rows(train, unboxed_fraction=0.0)
+
+
+def test_sft_rows_direct_fraction_skips_the_steps_but_keeps_the_answer():
+    from furlong.rewards import score
+    train, _ = make_problems(400, 0, seed=4, two_step_fraction=0.5)
+    rows = sft_rows(train, seed=4, direct_fraction=0.5)
+    texts = [r["messages"][-1]["content"] for r in rows]
+    direct = [t for t, p in zip(texts, train) if t == f"\\boxed{{{p.label}}}"]
+    assert 150 < len(direct) < 250
+    assert all(t == p.solution for t, p in zip(texts, train) if t not in direct)
+    assert all(score("math", t, r["label"]) == 1.0 for t, r in zip(texts, rows))
+    assert sft_rows(train, seed=4) == sft_rows(train, seed=4, direct_fraction=0.0)

@@ -134,19 +134,31 @@ def plain_solution(p: Problem) -> str:
     return p.solution.rsplit(" \\boxed", 1)[0] + f" So the result is {p.label}."
 
 
-def sft_rows(problems: list[Problem], unboxed_fraction: float = 0.0, seed: int = 0) -> list[dict]:
+def direct_solution(p: Problem) -> str:
+    """The answer alone, no worked steps ("\\boxed{8}"): the reward reads it, but a small model
+    that answers a two-step problem without writing the steps is right far less often."""
+    return f"\\boxed{{{p.label}}}"
+
+
+def sft_rows(problems: list[Problem], unboxed_fraction: float = 0.0, seed: int = 0,
+             direct_fraction: float = 0.0) -> list[dict]:
     """SFT rows: the user turn followed by the assistant's short solution.
 
     `unboxed_fraction` of the rows (a seeded choice) end in the plain style instead,
     so the fine-tuned model answers in both styles, as a base model's habits differ
     from what a reward reads; the demo's GRPO then has a format to learn.
+    `direct_fraction` of the other rows give the boxed answer without the steps: the fine-tuned
+    model then sometimes skips the working, and GRPO has a way of solving to prefer.
     """
-    if not 0.0 <= unboxed_fraction <= 1.0:
-        raise ValueError(f"unboxed_fraction: must be in [0, 1], got {unboxed_fraction}")
+    for name, value in (("unboxed_fraction", unboxed_fraction), ("direct_fraction", direct_fraction)):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name}: must be in [0, 1], got {value}")
     rng = random.Random(seed)
     rows = []
     for p in problems:
         text = plain_solution(p) if rng.random() < unboxed_fraction else p.solution
+        if direct_fraction > 0 and text == p.solution and rng.random() < direct_fraction:
+            text = direct_solution(p)
         rows.append({"messages": user_turn(p.question) + [{"role": "assistant", "content": text}],
                      "label": p.label, "answer": p.answer})
     return rows
@@ -159,7 +171,8 @@ def corpus(problems: list[Problem]) -> list[str]:
 
 def prepare_synthetic(output_dir: str | Path, num_train: int = 2000, num_test: int = 200, seed: int = 0,
                       max_number: int = 20, max_factor: int = 5,
-                      two_step_fraction: float = 0.25, sft_unboxed_fraction: float = 0.0) -> dict[str, int]:
+                      two_step_fraction: float = 0.25, sft_unboxed_fraction: float = 0.0,
+                      sft_direct_fraction: float = 0.0) -> dict[str, int]:
     """Write train/test/sft parquet files to `output_dir`; return rows per file."""
     train, test = make_problems(num_train, num_test, seed, max_number, max_factor, two_step_fraction)
     if not train or not test:
@@ -167,5 +180,5 @@ def prepare_synthetic(output_dir: str | Path, num_train: int = 2000, num_test: i
     out = Path(output_dir)
     write_parquet_atomic([prompt_row(p) for p in train], out / "train.parquet")
     write_parquet_atomic([prompt_row(p) for p in test], out / "test.parquet")
-    write_parquet_atomic(sft_rows(train, sft_unboxed_fraction, seed), out / "sft.parquet")
+    write_parquet_atomic(sft_rows(train, sft_unboxed_fraction, seed, sft_direct_fraction), out / "sft.parquet")
     return {"train": len(train), "test": len(test), "sft": len(train)}
