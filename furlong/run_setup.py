@@ -17,6 +17,7 @@ import torch
 
 from furlong.config import Config
 from furlong.metrics import MetricsLogger
+from furlong.train.fsdp import compute_dtype
 from furlong.types import Prompt, Sample
 
 
@@ -68,12 +69,6 @@ def eos_token_ids(path: Path, tokenizer) -> list[int]:
             if x is not None and int(x) not in ids:
                 ids.append(int(x))
     return ids
-
-
-def resolve_dtype(cfg: Config, device: torch.device) -> torch.dtype:
-    if cfg.parallel.dtype == "bf16" or (cfg.parallel.dtype == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return torch.float32
 
 
 def default_output_dir(cfg: Config) -> Path:
@@ -192,7 +187,7 @@ def build_run(cfg: Config, ctx, with_actor: bool) -> RunParts:
 
     # 2. models
     device = ctx.device
-    dtype = resolve_dtype(cfg, device)
+    dtype = compute_dtype(device, cfg.parallel.dtype)
     engine_model = load_pretrained(ckpt, dtype=dtype, device=device)
     num_params = sum(p.numel() for p in engine_model.parameters())
     r = cfg.rollout

@@ -17,6 +17,7 @@ from furlong.bench.report import PartReport
 from furlong.bench.workload import Workload
 from furlong.config import Config
 from furlong.models.decoder import Transformer
+from furlong.train.fsdp import compute_dtype
 from furlong.models.hf_config import ModelArgs
 from furlong.types import TrainSample
 
@@ -38,7 +39,7 @@ class Bench:
         self.owns_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         self.ctx = init_distributed("auto")
         self.device = self.ctx.device
-        self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.dtype = compute_dtype(self.device)
         self.args = ModelArgs.from_hf_config(workload.model, source="workload model")
         self._engine: Transformer | None = None
         self._actor: Any = None

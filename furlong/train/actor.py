@@ -42,7 +42,7 @@ from furlong.train.batching import (move_micro_batch, num_loss_tokens, pack_micr
                                     response_positions, response_slices, token_loss_weights)
 from furlong.train.planning import fixed_micro_batches, plan_micro_batches, split_across_ranks
 from furlong.train.distributed import DistContext, all_gather_flat
-from furlong.train.fsdp import compile_enabled, compile_layers, default_param_dtype, shard_model
+from furlong.train.fsdp import compile_enabled, compile_layers, compute_dtype, shard_model
 from furlong.train.logprobs import chunked_log_probs
 from furlong.train.losses import LossMetrics, LossParams, rl_loss, sft_loss
 from furlong.train.train_metrics import StepResult, TrainMetrics
@@ -85,7 +85,7 @@ class Actor:
         self.cfg, self.ctx = cfg, ctx
         self.loss_fn = LOSSES[loss]
         self.loss_params = LossParams.from_config(cfg)
-        self.param_dtype = default_param_dtype(ctx.device, cfg.parallel.dtype)
+        self.param_dtype = compute_dtype(ctx.device, cfg.parallel.dtype)
         ref = copy.deepcopy(model) if cfg.algo.use_kl_loss or cfg.algo.kl_coef > 0 else None
         model.gradient_checkpointing = cfg.batch.gradient_checkpointing
         self.model = self._shard(model)

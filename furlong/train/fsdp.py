@@ -24,8 +24,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from furlong.train.distributed import DistContext
 
 
-def default_param_dtype(device: torch.device, dtype_flag: str = "auto") -> torch.dtype:
-    """Compute dtype from --dtype: auto = bf16 on GPU, fp32 on CPU."""
+def compute_dtype(device: torch.device, dtype_flag: str = "auto") -> torch.dtype:
+    """The compute dtype from --dtype (trainer, engine and bench): auto = bf16 on GPU, fp32 on CPU."""
     table = {"bf16": torch.bfloat16, "fp32": torch.float32}
     if dtype_flag == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
