@@ -130,6 +130,8 @@ def _build_parser() -> _Parser:
     pl.add_argument("--output", default=None, metavar="FILE.png", help="default: RUN_DIR/metrics.png")
     e = sub.add_parser("export", help="checkpoint -> HF checkpoint")
     e.add_argument("--load", required=True)
+    e.add_argument("--ckpt-step", type=int, default=None, metavar="N",
+                   help="export iteration N (iter_N) instead of the latest")
     e.add_argument("--output", required=True)
     e.add_argument("--hf-checkpoint", default=None,
                    help="the original checkpoint (config and tokenizer); default: the one the checkpoint records")
@@ -180,7 +182,7 @@ def _run(argv: list[str]) -> int:
         return 0
     if args.command == "export":
         from furlong.export import export_hf
-        export_hf(args.load, args.output, args.hf_checkpoint)
+        export_hf(args.load, args.output, args.hf_checkpoint, ckpt_step=args.ckpt_step)
         print(f"export: wrote {args.output}")
         return 0
     raise UsageError(f"furlong: unknown command {args.command!r}")

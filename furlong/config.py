@@ -152,6 +152,8 @@ class CheckpointConfig:
     save: str | None = flag(None, "checkpoint directory")
     save_interval: int | None = flag(None, "save every K rollouts")
     load: str | None = flag(None, "resume from this checkpoint directory")
+    ckpt_step: int | None = flag(None, "with --load: load iteration N (iter_N) instead of the latest",
+                                 aliases=["--load-iteration"])
 
 
 @dataclass
@@ -256,7 +258,8 @@ def validate(cfg: Config, command: str = "train") -> None:
     _need(r.rollout_batch_size >= 1, "--rollout-batch-size", "must be >= 1")
     _need(r.n_samples_per_prompt >= 1, "--n-samples-per-prompt", "must be >= 1")
     _need(r.rollout_max_response_len >= 1, "--rollout-max-response-len", "must be >= 1")
-    _need(r.rollout_temperature >= 0, "--rollout-temperature", "must be >= 0")
+    _need(r.rollout_temperature > 0 if command == "train" else r.rollout_temperature >= 0, "--rollout-temperature",
+          "must be > 0 to train (log-probs divide by it)" if command == "train" else "must be >= 0")
     _need(0 < r.rollout_top_p <= 1, "--rollout-top-p", "must be in (0, 1]")
     _need(r.rollout_top_k == -1 or r.rollout_top_k >= 1, "--rollout-top-k", "must be -1 (off) or >= 1")
     _need(cfg.over_sampling_batch_size >= 1, "--over-sampling-batch-size", "must be >= 1")
@@ -269,6 +272,12 @@ def validate(cfg: Config, command: str = "train") -> None:
     _need(len(e.eval_prompt_data) % 2 == 0, "--eval-prompt-data", "expects pairs: name path [name path ...]")
     _need(e.eval_interval is None or e.eval_interval >= 1, "--eval-interval", "must be >= 1")
     _need(e.n_samples_per_eval_prompt >= 1, "--n-samples-per-eval-prompt", "must be >= 1")
+    _need(e.eval_interval is None or bool(e.eval_prompt_data), "--eval-interval", "needs --eval-prompt-data")
+    es = cfg.eval_sampling()   # the rollout's values are valid here, so a failure is the eval flag's own
+    _need(es["temperature"] >= 0, "--eval-temperature", "must be >= 0")
+    _need(0 < es["top_p"] <= 1, "--eval-top-p", "must be in (0, 1]")
+    _need(es["top_k"] == -1 or es["top_k"] >= 1, "--eval-top-k", "must be -1 (off) or >= 1")
+    _need(es["max_new_tokens"] >= 1, "--eval-max-response-len", "must be >= 1")
     estimators = ("grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
     _need(a.advantage_estimator != "ppo", "--advantage-estimator",
           "ppo needs a critic (value model), which furlong does not have yet; use grpo, rloo or reinforce_plus_plus")
@@ -319,6 +328,21 @@ def validate(cfg: Config, command: str = "train") -> None:
     _need(p.dtype in ("auto", "bf16", "fp32"), "--dtype", f"unknown dtype {p.dtype!r}")
     _need(p.torch_compile in ("auto", "on", "off"), "--torch-compile", f"expected auto, on or off, got {p.torch_compile!r}")
     _need(cfg.ckpt.save_interval is None or cfg.ckpt.save is not None, "--save-interval", "needs --save")
+    _need(cfg.ckpt.ckpt_step is None or cfg.ckpt.load is not None, "--ckpt-step", "needs --load")
+    _need(cfg.ckpt.ckpt_step is None or cfg.ckpt.ckpt_step >= 1, "--ckpt-step", "must be >= 1")
+    if command == "train":
+        _need(r.num_rollout >= 1 or bool(e.eval_prompt_data), "--num-rollout",
+              "0 trains nothing (give --eval-prompt-data for an eval-only run)")
+        kept = r.rollout_batch_size * r.n_samples_per_prompt   # the rollout keeps exactly this many samples
+        _need(b.num_steps_per_rollout is not None or b.global_batch_size is None or kept % b.global_batch_size == 0,
+              "--global-batch-size", f"{b.global_batch_size} does not divide the {kept} samples of a rollout "
+              "(--rollout-batch-size x --n-samples-per-prompt)")
+        _need(b.num_steps_per_rollout is None or kept % b.num_steps_per_rollout == 0, "--num-steps-per-rollout",
+              f"{b.num_steps_per_rollout} does not divide the {kept} samples of a rollout")
+    if cfg.log.use_tensorboard:
+        import importlib.util
+        _need(importlib.util.find_spec("tensorboard") is not None, "--use-tensorboard",
+              "the tensorboard package is not installed")
     if cfg.log.use_wandb:
         import importlib.util
         _need(importlib.util.find_spec("wandb") is not None, "--use-wandb", "the wandb package is not installed")

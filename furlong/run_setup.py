@@ -1,13 +1,16 @@
 """Builds the parts of a run from a Config: inputs first, then models, then outputs.
 
-Order matters for the "nothing written half-way" rule: every input (checkpoint
-files, tokenizer, data files, reward and filter paths, resume checkpoint) is
-checked before the output directory is created.
+Order matters for the "nothing written half-way" rule: every input (config.json,
+safetensors headers, tokenizer, stop token ids, data files, reward and filter
+paths, the --load checkpoint, writable output dirs) is checked in step 1 of
+`build_run`, before the output directory is created; flag values were checked
+before that by config.validate.
 """
 from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +20,7 @@ import torch
 
 from furlong.config import Config
 from furlong.metrics import MetricsLogger
+from furlong.train.checkpoint_verify import choose_checkpoint
 from furlong.train.fsdp import compute_dtype
 from furlong.types import Prompt, Sample
 
@@ -36,7 +40,8 @@ def check_checkpoint_dir(path: str | None) -> Path:
 
 def check_writable(path: str | os.PathLike, flag_name: str) -> None:
     """ValueError naming the flag unless `path` is (or can be created as) a writable directory.
-    Checked without writing anything: the path itself, or its nearest existing ancestor."""
+    The path itself, or its nearest existing ancestor, gets an empty directory made and removed at
+    once: permission bits say nothing for root, a read-only mount or /proc, a real attempt does."""
     p = Path(path).absolute()
     if p.exists() and not p.is_dir():
         raise ValueError(f"{flag_name}: {p} exists and is not a directory")
@@ -45,16 +50,40 @@ def check_writable(path: str | os.PathLike, flag_name: str) -> None:
         probe = probe.parent
     if not probe.is_dir():
         raise ValueError(f"{flag_name}: cannot create {p}: {probe} is not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag_name}: {probe} is not writable")
-
-
-def load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        os.rmdir(tempfile.mkdtemp(prefix=".furlong-probe-", dir=probe))
+    except OSError as e:
+        raise ValueError(f"{flag_name}: cannot create {p}: {probe} is not writable ({e.strerror})") from None
+
+
+# one of these holds a tokenizer's vocabulary; without them transformers builds an empty tokenizer
+VOCAB_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt")
+
+
+def load_tokenizer(path: Path, vocab_size: int):
+    from transformers import AutoTokenizer
+    if not any((path / f).is_file() for f in VOCAB_FILES):
+        raise ValueError(f"--hf-checkpoint: no tokenizer in {path} (none of {', '.join(VOCAB_FILES)})")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        probe = tokenizer.encode("1 + 1 = 2")
     except Exception as e:  # transformers raises many types for a broken tokenizer dir
         raise ValueError(f"--hf-checkpoint: cannot load the tokenizer from {path}: {e}".splitlines()[0]) from e
+    if not probe:
+        raise ValueError(f"--hf-checkpoint: the tokenizer in {path} encodes text to no tokens (files missing?)")
+    if len(tokenizer) > vocab_size:
+        raise ValueError(f"--hf-checkpoint: the tokenizer in {path} has {len(tokenizer)} tokens, more than "
+                         f"config.json's vocab_size {vocab_size}")
+    return tokenizer
+
+
+def check_hf_checkpoint(path: str | None):
+    """The --hf-checkpoint directory, its ModelArgs and tokenizer, after every check of them (config.json
+    keys and types, safetensors headers against the config, tokenizer files); nothing is written."""
+    from furlong.models.hf_io import check_pretrained
+    ckpt = check_checkpoint_dir(path)
+    args, _ = check_pretrained(ckpt)
+    return ckpt, args, load_tokenizer(ckpt, args.vocab_size)
 
 
 def eos_token_ids(path: Path, tokenizer) -> list[int]:
@@ -143,16 +172,17 @@ class RunParts:
 
 def build_run(cfg: Config, ctx, with_actor: bool) -> RunParts:
     from furlong.data import PromptDataset
-    from furlong.models.hf_config import ModelArgs
-    from furlong.models.hf_io import load_pretrained
+    from furlong.models.hf_io import load_pretrained, param_shapes
     from furlong.rewards.registry import TimedReward, get_reward_fn
     from furlong.rollout.filters import load_filter
     from furlong.engine import Engine, EngineConfig
 
     # 1. inputs (nothing written yet)
-    ckpt = check_checkpoint_dir(cfg.data.hf_checkpoint)
-    args = ModelArgs.from_dir(ckpt)
-    tokenizer = load_tokenizer(ckpt)
+    ckpt, args, tokenizer = check_hf_checkpoint(cfg.data.hf_checkpoint)
+    bad_ids = [i for i in cfg.rollout.rollout_stop_token_ids if not 0 <= i < args.vocab_size]
+    if bad_ids:
+        raise ValueError(f"--rollout-stop-token-ids: {bad_ids[0]} is not a token id of the model "
+                         f"(vocab_size {args.vocab_size})")
     max_resp = cfg.rollout.rollout_max_response_len
     if cfg.eval_sets():
         max_resp = max(max_resp, cfg.eval_sampling()["max_new_tokens"])
@@ -175,8 +205,12 @@ def build_run(cfg: Config, ctx, with_actor: bool) -> RunParts:
     prompt_pool = [p for _, prompts in eval_sets for p in prompts] + (dataset.all() if dataset is not None else [])
     reward_fn = TimedReward(get_reward_fn(cfg.reward.rm_type, cfg.reward.custom_rm_path), cfg.reward.reward_timeout)
     filter_fn = load_filter(cfg.rollout.dynamic_sampling_filter_path)
-    if cfg.ckpt.load is not None and not (Path(cfg.ckpt.load) / "latest_checkpointed_iteration.txt").is_file():
-        raise ValueError(f"--load: no latest_checkpointed_iteration.txt in {cfg.ckpt.load}")
+    resume = None
+    if cfg.ckpt.load is not None:
+        resume = choose_checkpoint(cfg.ckpt.load, cfg.ckpt.ckpt_step, param_shapes(args))
+        if with_actor and resume.iteration > cfg.rollout.num_rollout:
+            raise ValueError(f"--num-rollout: {cfg.rollout.num_rollout} is below the {resume.iteration} rollouts "
+                             f"already done by {resume.path}")
     out = default_output_dir(cfg)
     check_writable(out, "--output-dir")
     if cfg.ckpt.save is not None:
@@ -189,6 +223,9 @@ def build_run(cfg: Config, ctx, with_actor: bool) -> RunParts:
     device = ctx.device
     dtype = compute_dtype(device, cfg.parallel.dtype)
     engine_model = load_pretrained(ckpt, dtype=dtype, device=device)
+    if resume is not None and not with_actor:   # furlong eval --load: score the trained weights
+        from furlong.train.checkpoint import load_model_weights
+        load_model_weights(cfg.ckpt.load, engine_model, resume.iteration)
     num_params = sum(p.numel() for p in engine_model.parameters())
     r = cfg.rollout
     max_prompt_len = max(len(p.token_ids) for p in prompt_pool)
@@ -226,18 +263,19 @@ def build_run(cfg: Config, ctx, with_actor: bool) -> RunParts:
     logger = MetricsLogger(out, enabled=logger_enabled, use_tensorboard=cfg.log.use_tensorboard,
                            wandb_settings=wandb)
     logger.line(f"run directory: {out}")
+    if resume is not None and not with_actor:
+        logger.line(f"evaluating iteration {resume.iteration} of {cfg.ckpt.load} ({resume.path})")
 
     parts = RunParts(cfg=cfg, ctx=ctx, output_dir=out, logger=logger, dataset=dataset, eval_sets=eval_sets,
                      engine=engine, reward_fn=reward_fn, filter_fn=filter_fn, actor=actor,
                      start_rollout=0, num_params=num_params)
-    if cfg.ckpt.load is not None and actor is not None:
+    if resume is not None and actor is not None:
         from furlong.train.checkpoint import load_checkpoint
-        state = load_checkpoint(cfg.ckpt.load, actor)
-        if state is not None:
-            dataset.load_state_dict(state.sampler_state)
-            parts.start_rollout = state.rollout_id + 1
-            parts.sync_weights()
-            dropped = logger.cut_back(state.rollout_id)
-            logger.line(f"resumed from {state.path} (rollout {state.rollout_id + 1} done); {dropped} metrics "
-                        f"line(s) after it dropped from {out / 'metrics.jsonl'}")
+        state = load_checkpoint(cfg.ckpt.load, actor, resume.iteration)
+        dataset.load_state_dict(state.sampler_state)
+        parts.start_rollout = state.rollout_id + 1
+        parts.sync_weights()
+        dropped = logger.cut_back(state.rollout_id)
+        logger.line(f"resumed from iteration {resume.iteration} ({state.path}; rollout {state.rollout_id + 1} "
+                    f"done); {dropped} metrics line(s) after it dropped from {out / 'metrics.jsonl'}")
     return parts

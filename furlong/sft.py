@@ -8,6 +8,7 @@ mean, averaged over the batch). `--save DIR` receives an HF checkpoint.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from pathlib import Path
@@ -59,14 +60,15 @@ def save_hf_checkpoint(model: torch.nn.Module, src_ckpt: Path, out_dir: str, ran
 
 def run_sft(cfg: Config, ctx) -> int:
     from furlong.models.hf_io import load_pretrained
-    from furlong.run_setup import check_checkpoint_dir, load_tokenizer
+    from furlong.run_setup import check_hf_checkpoint
     from furlong.train.actor import Actor
 
-    ckpt = check_checkpoint_dir(cfg.data.hf_checkpoint)
-    tokenizer = load_tokenizer(ckpt)
+    ckpt, _, tokenizer = check_hf_checkpoint(cfg.data.hf_checkpoint)
     key = cfg.data.input_key if cfg.data.input_key != "input" else "messages"
     samples = sft_samples(cfg.data.prompt_data, tokenizer, key, cfg.sft.sft_max_len)
     gbs = min(cfg.batch.global_batch_size or len(samples), len(samples))
+    # the actor splits each step by the batch it is handed: give it the clamped size, not the flag's
+    cfg = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, global_batch_size=gbs))
     steps_per_epoch = len(samples) // gbs
     total = steps_per_epoch * cfg.sft.num_epoch
     torch.manual_seed(cfg.parallel.seed)

@@ -159,3 +159,34 @@ def test_export_hf_loads_in_transformers(tiny_ckpt, tmp_path):
         assert not torch.allclose(original(ids), want)   # training changed the model
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert AutoTokenizer.from_pretrained(out).decode([40, 41]) == AutoTokenizer.from_pretrained(tiny_ckpt).decode([40, 41])
+
+
+def test_eval_load_generates_with_the_chosen_iteration(tiny_ckpt, tmp_path, capsys):
+    """`furlong eval --load DIR --ckpt-step N` generates with iteration N's weights: greedy responses equal
+    those of N's HF export and differ from the untrained --hf-checkpoint's."""
+    import json
+
+    from furlong.cli import main
+    from furlong.export import export_hf
+    from furlong.tasks.synthetic import prepare_synthetic
+
+    a = make_actor(tiny_ckpt)
+    a.train_step(rollout_samples(0))
+    save_checkpoint(tmp_path / "save", a, rollout_id=0)
+    a.train_step(rollout_samples(1))
+    save_checkpoint(tmp_path / "save", a, rollout_id=1)     # the latest; --ckpt-step 1 must not load it
+    export_hf(tmp_path / "save", tmp_path / "hf1", ckpt_step=1)
+    prepare_synthetic(tmp_path / "data", 2, 4, 0)
+
+    def responses(name: str, ckpt: Path, *extra: str) -> list[str]:
+        assert main(["eval", "--hf-checkpoint", str(ckpt), "--eval-prompt-data", "t",
+                     str(tmp_path / "data" / "test.parquet"), "--input-key", "messages", "--label-key", "label",
+                     "--apply-chat-template", "--rm-type", "math", "--rollout-max-response-len", "8",
+                     "--eval-temperature", "0", "--device", "cpu", "--output-dir", str(tmp_path / name), *extra]) == 0
+        rows = next((tmp_path / name / "samples").glob("eval_t_*.jsonl")).read_text().splitlines()
+        return [json.loads(r)["response"] for r in rows]
+
+    loaded = responses("loaded", tiny_ckpt, "--load", str(tmp_path / "save"), "--ckpt-step", "1")
+    assert "evaluating iteration 1 of" in capsys.readouterr().out
+    assert loaded == responses("exported", tmp_path / "hf1")
+    assert loaded != responses("base", tiny_ckpt)

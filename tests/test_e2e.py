@@ -124,7 +124,7 @@ def test_worker_error_is_one_line_with_two_processes(assets, tmp_path):
     # every rank fails the same way in the rollout; the parent prints one line, no traceback
     argv = section_1_argv(assets, tmp_path / "run", **{"--custom-rm-path": "tests.rewards_for_tests.zero_reward",
                                                        "--rollout-batch-size": "2", "--over-sampling-batch-size": "4",
-                                                       "--n-samples-per-prompt": "2",
+                                                       "--n-samples-per-prompt": "2", "--global-batch-size": "4",
                                                        "--eval-max-response-len": "8"})
     argv = [a for a in argv if a not in ("--sglang-enable-metrics",)]
     argv[argv.index("--sglang-decode-log-interval"):argv.index("--sglang-decode-log-interval") + 2] = []

@@ -1,11 +1,14 @@
 """Read and write HF-format checkpoints (config.json + safetensors + tokenizer files).
 
-Loading builds the Transformer on the meta device (no memory, no init), casts,
-materializes it with `to_empty`, then copies each tensor from the memory-mapped
-safetensors file(s) into place and recomputes the fp32 RoPE frequencies. Every
+`check_pretrained` reads only config.json and the safetensors headers: every
 expected tensor must be present with the right shape; any unknown tensor is an
 error too, except RoPE caches and a tied `lm_head.weight` that some exporters
-write. All errors are ValueError naming the file and key.
+write; a truncated or garbage file fails its header check (safetensors compares
+the header's extent with the file size). All errors are ValueError naming the
+file and key, so a run can check its checkpoint before it writes anything.
+Loading checks the same, builds the Transformer on the meta device (no memory,
+no init), casts, materializes it with `to_empty`, then copies each tensor from
+the memory-mapped file(s) into place and recomputes the fp32 RoPE frequencies.
 
 Names: ours are the HF names without the "model." prefix. `hf_name` is the one
 mapping between the two; everything else here goes through it.
@@ -20,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -69,9 +72,51 @@ def _tensor_index(path: Path) -> dict[str, Path]:
                 raise ValueError(f"{f}: shard listed in {index.name} for key {key!r} not found")
         return files
     if single.is_file():
-        with safe_open(str(single), framework="pt") as f:
+        with _open(single) as f:
             return {k: single for k in f.keys()}
     raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def _open(file: Path):
+    """safe_open, with a damaged file (truncated download, not safetensors) as one ValueError naming it."""
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file}: not a readable safetensors file ({e}); truncated or not safetensors?") from None
+
+
+def param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Our parameter name -> shape, for the decoder `args` describe (meta device: nothing allocated)."""
+    with torch.device("meta"):
+        return {k: tuple(t.shape) for k, t in Transformer(args).state_dict().items()}
+
+
+def check_pretrained(path: str | Path) -> tuple[ModelArgs, dict[str, Path]]:
+    """ModelArgs and tensor -> file, after checking config.json and every safetensors header against
+    the model the config describes (module docstring); no tensor data is read."""
+    path = Path(path)
+    args = ModelArgs.from_dir(path)
+    files = _tensor_index(path)
+    shapes = {hf_name(k): shape for k, shape in param_shapes(args).items()}
+    where = path / ("model.safetensors.index.json" if (path / "model.safetensors.index.json").is_file()
+                    else "model.safetensors")
+    for key in shapes:
+        if key not in files:
+            raise ValueError(f"{where}: missing tensor {key!r}")
+    for key in files:
+        tied_extra = key == "lm_head.weight" and args.tie_word_embeddings
+        if key not in shapes and not tied_extra and not _IGNORED_HF.fullmatch(key):
+            raise ValueError(f"{files[key]}: unexpected tensor {key!r} for {args.model_type} config")
+    for file in sorted(set(files[k] for k in shapes)):
+        with _open(file) as f:
+            present = set(f.keys())
+            for key in (k for k in shapes if files[k] == file):
+                if key not in present:
+                    raise ValueError(f"{file}: missing tensor {key!r}")
+                got = tuple(f.get_slice(key).get_shape())
+                if got != shapes[key]:
+                    raise ValueError(f"{file}: tensor {key!r} has shape {got}, config.json implies {shapes[key]}")
+    return args, files
 
 
 def load_pretrained(path: str | Path, dtype: torch.dtype | None = None,
@@ -81,43 +126,24 @@ def load_pretrained(path: str | Path, dtype: torch.dtype | None = None,
     dtype default: the checkpoint's torch_dtype on CUDA, float32 elsewhere.
     device default: cpu.
     """
-    path = Path(path)
-    args = ModelArgs.from_dir(path)
+    args, files = check_pretrained(path)
     device = torch.device(device if device is not None else "cpu")
     if dtype is None:
         dtype = args.torch_dtype if device.type == "cuda" else torch.float32
-    files = _tensor_index(path)
 
     with torch.device("meta"):
         model = Transformer(args)
     model = model.to(dtype=dtype).to_empty(device=device)
     targets = {hf_name(k): t for k, t in model.state_dict().items()}   # views of the parameters
 
-    where = path / ("model.safetensors.index.json" if (path / "model.safetensors.index.json").is_file()
-                    else "model.safetensors")
-    for key in targets:
-        if key not in files:
-            raise ValueError(f"{where}: missing tensor {key!r}")
-    for key in files:
-        tied_extra = key == "lm_head.weight" and args.tie_word_embeddings
-        if key not in targets and not tied_extra and not _IGNORED_HF.fullmatch(key):
-            raise ValueError(f"{files[key]}: unexpected tensor {key!r} for {args.model_type} config")
-
     by_file: dict[Path, list[str]] = {}
     for key in targets:
         by_file.setdefault(files[key], []).append(key)
     with torch.no_grad():
         for file, keys in by_file.items():
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                present = set(f.keys())
+            with _open(file) as f:
                 for key in keys:
-                    if key not in present:
-                        raise ValueError(f"{file}: missing tensor {key!r}")
-                    src = f.get_tensor(key)
-                    if tuple(src.shape) != tuple(targets[key].shape):
-                        raise ValueError(f"{file}: tensor {key!r} has shape {tuple(src.shape)}, "
-                                         f"config.json implies {tuple(targets[key].shape)}")
-                    targets[key].copy_(src)
+                    targets[key].copy_(f.get_tensor(key))
     model.init_rope()
     return model.eval()
 

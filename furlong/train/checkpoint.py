@@ -12,14 +12,18 @@ Crash safety: every rank writes into `iter_0000005.tmp/`; after a barrier rank 0
 renames it to `iter_0000005/` and only then replaces the tracker file (temp file +
 fsync + os.replace). A crash at any point leaves the tracker naming the previous,
 complete checkpoint; a stale `.tmp` directory is removed by the next save.
+Every iteration is kept (as in miles); `--load DIR --ckpt-step N` loads an
+earlier one, and `checkpoint_verify.py` checks the one chosen before a run writes.
 
 Model and optimizer state go through `get_state_dict`/`set_state_dict`, so the
 files are keyed by parameter name (FQN) and can be loaded at another world size.
 The frozen reference model is not saved: it is the initial weights, re-read from
 --hf-checkpoint on resume.
 
-Test hook: env FURLONG_CKPT_SLEEP_MID_SAVE=<seconds> sleeps after the shards are
-written and before the rename, so a test can kill a save half-way.
+Test hooks (`_test_hook`, read nowhere else): env FURLONG_CKPT_SLEEP_MID_SAVE=<seconds>
+sleeps after the shards are written and before the rename, so a test can kill or
+signal a save half-way; FURLONG_CKPT_FAULT=<point>:<iteration> SIGKILLs the process
+at one of POINTS of that iteration's save, which no outside timing can hit exactly.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import os
 import pickle
 import random
 import shutil
+import signal
 import time
 import warnings
 from dataclasses import dataclass
@@ -40,10 +45,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from furlong.train.checkpoint_verify import TRACKER, iteration_path, latest_iteration, shape_mismatch
 from furlong.train.distributed import barrier
 
-TRACKER = "latest_checkpointed_iteration.txt"
 SLEEP_ENV = "FURLONG_CKPT_SLEEP_MID_SAVE"
+FAULT_ENV = "FURLONG_CKPT_FAULT"
+# where a save can be cut short: before it starts (the step's metrics line is already on disk), with the
+# shards written but not renamed, renamed but the tracker not yet moved, and right after the tracker moved
+POINTS = ("before_save", "mid_save", "before_tracker", "after_save")
 
 
 @dataclass
@@ -58,18 +67,15 @@ class ResumeState:
 
 
 def iter_dir(save_dir: str | os.PathLike, rollout_id: int) -> Path:
-    return Path(save_dir) / f"iter_{rollout_id + 1:07d}"
+    return iteration_path(save_dir, rollout_id + 1)
 
 
-def latest_iteration(save_dir: str | os.PathLike) -> int | None:
-    """Iteration named by the tracker file, or None when there is no checkpoint yet."""
-    tracker = Path(save_dir) / TRACKER
-    if not tracker.exists():
-        return None
-    text = tracker.read_text().strip()
-    if not text.isdigit():
-        raise ValueError(f"--load: {tracker} does not hold an iteration number: {text!r}")
-    return int(text)
+def _test_hook(point: str, iteration: int) -> None:
+    """The fault-injection hooks of the module docstring (tests only; unset env: nothing happens)."""
+    if point == "mid_save" and float(os.environ.get(SLEEP_ENV, "0")) > 0:
+        time.sleep(float(os.environ[SLEEP_ENV]))
+    if os.environ.get(FAULT_ENV) == f"{point}:{iteration}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -104,6 +110,7 @@ def save_checkpoint(save_dir: str | os.PathLike, actor: Any, rollout_id: int,
                     sampler_state: dict[str, Any] | None = None) -> Path:
     """Save after `rollout_id` finished; every rank must call. Returns the iter_* directory."""
     rank = _rank()
+    _test_hook("before_save", rollout_id + 1)
     final = iter_dir(save_dir, rollout_id)
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
@@ -122,16 +129,16 @@ def save_checkpoint(save_dir: str | os.PathLike, actor: Any, rollout_id: int,
                         "rollout_id": rollout_id, "hf_checkpoint": hf}, tmp / "trainer.pt")
     except (OSError, RuntimeError, dcp.api.CheckpointException) as e:
         raise _save_failed(e, tmp, save_dir) from e
-    sleep_s = float(os.environ.get(SLEEP_ENV, "0"))
-    if sleep_s > 0:
-        time.sleep(sleep_s)
+    _test_hook("mid_save", rollout_id + 1)
     barrier()  # all shards are on disk before the directory becomes visible
     if rank == 0:
         if final.exists():
             shutil.rmtree(final)  # re-save of the same iteration
         os.replace(tmp, final)
+        _test_hook("before_tracker", rollout_id + 1)
         _write_atomic(Path(save_dir) / TRACKER, str(rollout_id + 1))
     barrier()
+    _test_hook("after_save", rollout_id + 1)
     return final
 
 
@@ -145,35 +152,26 @@ def _save_failed(e: BaseException, tmp: Path, save_dir: str | os.PathLike) -> Sa
     full = "No space left" in str(e) or getattr(e, "errno", None) == errno.ENOSPC
     why = "no space left on the device" if full else f"{type(e).__name__}: {e}".splitlines()[0][:200]
     last = latest_iteration(save_dir)
-    kept = (f"the last complete checkpoint ({Path(save_dir) / f'iter_{last:07d}'}) is intact" if last is not None
+    kept = (f"the last complete checkpoint ({iteration_path(save_dir, last)}) is intact" if last is not None
             else "no earlier checkpoint exists")
     return SaveError(f"--save: writing {tmp} failed ({why}); {kept}")
 
 
-def _check_shapes(path: Path, model_sd: dict[str, Any]) -> None:
-    """ValueError naming the first parameter whose saved shape differs from the model's (another model)."""
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    for name, t in model_sd.items():
-        meta = saved.get(f"model.{name}")
-        if meta is None:
-            raise ValueError(f"--load: {path} has no parameter {name}: a checkpoint of another model?")
-        if hasattr(meta, "size") and tuple(meta.size) != tuple(t.shape):
-            raise ValueError(f"--load: {path} is a checkpoint of another model: {name} is {list(meta.size)} there, "
-                             f"{list(t.shape)} in the --hf-checkpoint model")
-
-
-def load_checkpoint(load_dir: str | os.PathLike, actor: Any) -> ResumeState | None:
-    """Restore the tracker's checkpoint into `actor` (every rank calls); None if there is none."""
-    iteration = latest_iteration(load_dir)
+def load_checkpoint(load_dir: str | os.PathLike, actor: Any, iteration: int | None = None) -> ResumeState | None:
+    """Restore iteration `iteration` (default: the tracker's) into `actor` (every rank calls); None if
+    there is no checkpoint. Run set-up has verified it already (checkpoint_verify.choose_checkpoint)."""
+    iteration = latest_iteration(load_dir) if iteration is None else iteration
     if iteration is None:
         return None
-    path = Path(load_dir) / f"iter_{iteration:07d}"
+    path = iteration_path(load_dir, iteration)
     if not (path / "trainer.pt").exists():
         raise ValueError(f"--load: {path} is missing or incomplete (no trainer.pt)")
     try:
         meta = torch.load(path / "trainer.pt", weights_only=False)
         model_sd, optim_sd = get_state_dict(actor.model, actor.optimizer)
-        _check_shapes(path, model_sd)
+        mismatch = shape_mismatch(path, {name: tuple(t.shape) for name, t in model_sd.items()})
+        if mismatch is not None:
+            raise ValueError(f"--load: {path} is a checkpoint of another model: {mismatch}")
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path))
         set_state_dict(actor.model, actor.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -190,22 +188,13 @@ def load_checkpoint(load_dir: str | os.PathLike, actor: Any) -> ResumeState | No
     return ResumeState(rollout_id=int(meta["rollout_id"]), sampler_state=meta["sampler"], path=str(path))
 
 
-def checkpoint_hf_source(load_dir: str | os.PathLike) -> str | None:
-    """The --hf-checkpoint the latest checkpoint was trained from (None if unknown)."""
-    iteration = latest_iteration(load_dir)
-    if iteration is None:
-        raise ValueError(f"--load: no {TRACKER} in {load_dir}")
-    meta = torch.load(Path(load_dir) / f"iter_{iteration:07d}" / "trainer.pt", weights_only=False)
-    return meta.get("hf_checkpoint")
-
-
-def load_model_weights(load_dir: str | os.PathLike, model: torch.nn.Module) -> int:
-    """Single process, no process group: load the latest checkpoint's model weights
+def load_model_weights(load_dir: str | os.PathLike, model: torch.nn.Module, iteration: int | None = None) -> int:
+    """Single process, no process group: load a checkpoint's (default: the latest) model weights
     into an unsharded `model` (export/eval). Returns the iteration loaded."""
-    iteration = latest_iteration(load_dir)
+    iteration = latest_iteration(load_dir) if iteration is None else iteration
     if iteration is None:
         raise ValueError(f"--load: no {TRACKER} in {load_dir}")
-    path = Path(load_dir) / f"iter_{iteration:07d}"
+    path = iteration_path(load_dir, iteration)
     state = {"model": dict(model.state_dict())}
     with warnings.catch_warnings():  # DCP warns that it assumes one process: that is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
