@@ -7,12 +7,14 @@ Errors a user can cause end as ONE line on stderr and a non-zero exit, at any
 world size (`exit_code_for` says which): bad input (ValueError, missing file)
 exits 2, a run that cannot succeed (RolloutError: the filter keeps nothing;
 CiFailure: --ci-test missed its threshold) exits 1. Anything else is a bug and
-keeps its traceback. With local workers, a worker that hits such an error puts
-(rank, exit code, line) on a queue and leaves at once with `os._exit`, so the
-launcher prints no traceback; the parent prints the first rank's line.
+keeps its traceback. One path for every world size: `launch` runs `_worker`
+here (one process or a torchrun rank; cli.main turns the error into its line),
+or in N spawned workers whose errors train/distributed.launch_local classifies
+with `user_error` and reports to this process, which prints the lowest rank's line.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from typing import Any, Callable
@@ -49,72 +51,64 @@ def error_line(e: BaseException) -> str:
     return f"furlong: error: {text.splitlines()[0] if text else type(e).__name__}"
 
 
+def user_error(e: BaseException) -> tuple[int, str] | None:
+    """(exit code, one line) for an error the user caused, None for a bug."""
+    code = exit_code_for(e)
+    return None if code is None else (code, error_line(e))
+
+
 def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _worker(kind: str, cfg: Config, errors: Any = None) -> int:
-    """One rank's run. `errors`: the launcher's queue for one-line user errors (local workers only)."""
+def _run_train(cfg: Config, ctx: Any) -> int:
+    from furlong.loop import run_rl
+    return run_rl(cfg, ctx)
+
+
+def _run_sft(cfg: Config, ctx: Any) -> int:
+    from furlong.sft import run_sft
+    return run_sft(cfg, ctx)
+
+
+def _run_eval(cfg: Config, ctx: Any) -> int:
+    from furlong.loop import run_eval_only
+    return run_eval_only(cfg, ctx)
+
+
+# command -> what every rank runs, given the Config and its DistContext (docs/design.md §4)
+RUNS: dict[str, Callable[[Config, Any], int]] = {"train": _run_train, "sft": _run_sft, "eval": _run_eval}
+
+
+def _worker(run: Callable[[Config, Any], int], cfg: Config) -> int:
+    """One rank: join (or form) the process group, run, leave. Errors propagate to the caller:
+    cli.main in this process, or launch_local's worker wrapper in a spawned one."""
     from furlong.train.distributed import destroy_distributed, init_distributed
+    ctx = init_distributed(cfg.parallel.device)
     try:
-        ctx = init_distributed(cfg.parallel.device)
-        try:
-            if kind == "train":
-                from furlong.loop import run_rl
-                return run_rl(cfg, ctx)
-            if kind == "sft":
-                from furlong.sft import run_sft
-                return run_sft(cfg, ctx)
-            from furlong.loop import run_eval_only
-            return run_eval_only(cfg, ctx)
-        finally:
-            destroy_distributed()
-    except Exception as e:
-        code = exit_code_for(e)
-        if errors is None or code is None:
-            raise
-        errors.put((int(os.environ.get("RANK", "0")), code, error_line(e)))
-        sys.stdout.flush()
-        os._exit(code)   # no launcher traceback; the parent reports the line and stops the others
+        return run(cfg, ctx)
+    finally:
+        destroy_distributed()
 
 
-def _launch(kind: str, cfg: Config) -> int:
+def launch(command: str, cfg: Config) -> int:
+    """Run `command` here (one process, or one torchrun rank) or in N local workers."""
+    run = RUNS[command]
     n = cfg.parallel.actor_num_gpus_per_node
     if cfg.parallel.actor_num_nodes > 1 and not _under_torchrun():
         raise ValueError("--actor-num-nodes: runs over several nodes are launched with "
                          "`torchrun --nnodes ... -m furlong train ...`")
     if n > 1 and not _under_torchrun():
-        import multiprocessing as mp
-
         from furlong.train.distributed import WorkerError, launch_local
-        errors = mp.get_context("spawn").SimpleQueue()
         try:
-            code = launch_local(_worker, n, kind, cfg, errors)
+            return launch_local(_worker, n, run, cfg, describe=user_error)
         except WorkerError as e:
-            reports = []
-            while not errors.empty():
-                reports.append(errors.get())
-            if reports:
-                _, code, line = min(reports)   # lowest rank: all ranks usually fail alike
-                print(line, file=sys.stderr)
-                return code
-            # a bug in a worker: it printed its traceback; this is the line that matters
-            print(f"furlong {kind}: error: {e}", file=sys.stderr)
-            return EXIT_RUN_FAILED
-        return code
-    return _worker(kind, cfg)
+            # a user error is its own line; a bug printed its traceback in the worker, and this
+            # is the line that matters
+            print(e.line if e.user_error else f"furlong {command}: error: {e}", file=sys.stderr)
+            return e.code if e.user_error else EXIT_RUN_FAILED
+    return _worker(run, cfg)
 
 
-def train(cfg: Config) -> int:
-    return _launch("train", cfg)
-
-
-def sft(cfg: Config) -> int:
-    return _launch("sft", cfg)
-
-
-def evaluate(cfg: Config) -> int:
-    return _launch("eval", cfg)
-
-
-COMMANDS: dict[str, Callable[[Config], int]] = {"train": train, "sft": sft, "eval": evaluate}
+# `furlong <command>` -> its entry point (cli.py)
+COMMANDS: dict[str, Callable[[Config], int]] = {name: functools.partial(launch, name) for name in RUNS}

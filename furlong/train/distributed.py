@@ -12,9 +12,13 @@ Backend: nccl on CUDA, gloo on CPU. `all_reduce_sum` / `all_reduce_max` reduce
 several Python numbers with ONE collective (stacked into one tensor) and one
 host copy; `all_gather_flat` gathers variable-length 1-D results in one call.
 
-A failing worker (any exception, or SystemExit with a non-zero code) puts
-"Type: first line of message" on a queue and exits; launch_local then stops the
-other workers and raises WorkerError("rank R: ...") with that line.
+A failing worker (any exception, or SystemExit with a non-zero code) puts its
+exit code and one line on a queue and exits; launch_local then stops the other
+workers and raises WorkerError with the lowest failing rank's report. The caller's
+`describe` says which exceptions are user errors (one line, their own exit code,
+no traceback); any other exception is a bug: its traceback is printed and the
+line is "Type: first line of message". This is the one error path of spawned
+workers (entry.py supplies `describe`).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import multiprocessing.connection as mp_connection
 import os
 import signal
 import socket
+import sys
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -129,10 +134,20 @@ def free_port() -> int:
 
 
 class WorkerError(RuntimeError):
-    """A spawned worker raised; the message is that worker's one-line error."""
+    """A spawned worker failed: `line` is its one-line report, `code` its exit code, and
+    `user_error` whether `describe` classified it (else it is a bug, traceback already printed)."""
+
+    def __init__(self, rank: int, code: int, line: str, user_error: bool = False):
+        super().__init__(f"rank {rank}: {line}")
+        self.rank, self.code, self.line, self.user_error = rank, code, line, user_error
 
 
-def _worker(local_rank: int, num_procs: int, port: int, fn: Callable[..., Any], args: tuple, err_q: Any) -> None:
+# describe(exception) -> (exit code, one line) for a user error, None for a bug
+Describe = Callable[[BaseException], "tuple[int, str] | None"]
+
+
+def _spawned(local_rank: int, num_procs: int, port: int, fn: Callable[..., Any], args: tuple, err_q: Any,
+             describe: Describe | None) -> None:
     os.environ.update({
         "RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(num_procs),
         "LOCAL_WORLD_SIZE": str(num_procs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -146,9 +161,15 @@ def _worker(local_rank: int, num_procs: int, port: int, fn: Callable[..., Any], 
         code = e.code if isinstance(e, SystemExit) else 1
         if isinstance(e, SystemExit) and code in (0, None):
             return
-        traceback.print_exc()
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        err_q.put((local_rank, f"{type(e).__name__}: {msg}"))
+        known = describe(e) if describe is not None and isinstance(e, Exception) else None
+        if known is not None:
+            code, line = known
+        else:
+            traceback.print_exc()
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            line = f"{type(e).__name__}: {msg}"
+        err_q.put((local_rank, code if isinstance(code, int) else 1, line, known is not None))
+        sys.stdout.flush()
         destroy_distributed()
         # skip interpreter teardown of a half-failed group; the launcher prints the one-line error
         os._exit(code if isinstance(code, int) else 1)
@@ -157,11 +178,12 @@ def _worker(local_rank: int, num_procs: int, port: int, fn: Callable[..., Any], 
         os._exit(result)
 
 
-def launch_local(fn: Callable[..., Any], num_procs: int, *args: Any) -> int:
+def launch_local(fn: Callable[..., Any], num_procs: int, *args: Any, describe: Describe | None = None) -> int:
     """Run `fn(*args)` in `num_procs` fresh (spawned) processes forming one process group.
 
     `fn` must be picklable (module-level). When a worker fails, the others are
-    terminated and WorkerError carries the first failing worker's one-line error.
+    terminated and WorkerError carries the lowest failing rank's report (see the
+    module docstring for `describe`).
     SIGINT/SIGTERM to this launcher are forwarded (as SIGTERM) to the workers, which stop after
     their current step (signals.py); then the workers' exit code (128 + signal) is
     returned, else 0.
@@ -173,7 +195,7 @@ def launch_local(fn: Callable[..., Any], num_procs: int, *args: Any) -> int:
     ctx = mp.get_context("spawn")
     err_q = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, num_procs, port, fn, args, err_q), daemon=False)
+    procs = [ctx.Process(target=_spawned, args=(r, num_procs, port, fn, args, err_q, describe), daemon=False)
              for r in range(num_procs)]
     for p in procs:
         p.start()
@@ -200,9 +222,13 @@ def launch_local(fn: Callable[..., Any], num_procs: int, *args: Any) -> int:
         for p in procs:
             p.join()
     if failed is not None:
-        rank = procs.index(failed)
-        if not err_q.empty():
-            rank, line = err_q.get()
-            raise WorkerError(f"rank {rank}: {line}")
-        raise WorkerError(f"rank {rank}: exited with code {failed.exitcode}")
+        reports = []
+        while not err_q.empty():
+            reports.append(err_q.get())
+        # A user error first (the lowest rank's: ranks usually fail alike), else the first report
+        # queued: the ranks that failed after it may have failed only because it went away.
+        chosen = min((r for r in reports if r[3]), default=None) or (reports[0] if reports else None)
+        if chosen is not None:
+            raise WorkerError(*chosen)
+        raise WorkerError(procs.index(failed), failed.exitcode, f"exited with code {failed.exitcode}")
     return max(p.exitcode for p in procs)
