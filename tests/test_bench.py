@@ -59,10 +59,11 @@ def write(tmp_path: Path, workload: dict) -> Path:
 def test_all_parts_run_and_agree_with_the_workload(tmp_path, capsys):
     w = tiny_workload()
     out = tmp_path / "res" / "bench.json"
-    assert bench.run_bench(str(write(tmp_path, w)), str(out), "all") == 0
+    names = [p for p in bench.PART_ORDER if p != "trl"]   # trl needs TRL installed: tests/test_bench_trl.py
+    assert bench.run_bench(str(write(tmp_path, w)), str(out), ",".join(names)) == 0
     res = json.loads(out.read_text())
     parts = res["parts"]
-    assert list(parts) == list(bench.PART_ORDER)
+    assert list(parts) == names
     assert all(p["status"] == "ok" for p in parts.values()), {k: p["error"] for k, p in parts.items()}
     prompt_lens, resp = w["rollout"]["prompt_lens"], w["rollout"]["response_lens"]
     lengths = [prompt_lens[i // 2] + r for i, r in enumerate(resp)]
@@ -130,6 +131,16 @@ def test_failed_and_timed_out_parts_are_reported(tmp_path, monkeypatch):
     assert json.loads(out.read_text())["step"]["whole_step_s"] is None
 
 
+def test_trl_part_without_trl_fails_at_once_with_the_install_hint(tmp_path, monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "trl", None)   # None in sys.modules: `import trl` raises ImportError
+    out = tmp_path / "bench.json"
+    assert bench.run_bench(str(write(tmp_path, tiny_workload())), str(out), "trl") == 1
+    part = json.loads(out.read_text())["parts"]["trl"]
+    assert part["status"] == "error" and "trl part: pip install trl datasets" in part["error"]
+    assert part["seconds"] < 5                                  # before furlong's side of the comparison
+
+
 def test_time_guard_interrupts_python_loop():
     t = time.perf_counter()
     with pytest.raises(bench.PartTimeout):
@@ -187,5 +198,6 @@ def test_seed_workload_in_repo_parses():
     assert w.num_samples == 256 and len(w.prompt_lens) == 32
     assert w.max_tokens_per_gpu == 32768 and w.budgets == bench.DEFAULT_BUDGETS
     assert (w.decode_batch, w.decode_prompt_len, w.decode_new_tokens) == (256, 128, 512)
+    assert (w.trl_micro_batch_size, w.trl_warmup_steps, w.trl_timed_steps) == (16, 2, 3)   # 16 x 16 = 256
     # 141,730 tokens at 32,768 per micro-batch: 5 micro-batches on one GPU
     assert len(plan_micro_batches(w.sample_lengths(), w.max_tokens_per_gpu)) == 5

@@ -128,6 +128,28 @@ class DecodeResult:
 
 
 @dataclass
+class TrlResult:
+    trl_version: str
+    num_samples: int                 # completions per optimizer step, both sides (prompts x n_samples_per_prompt)
+    response_len: int                # every response, both sides: the workload's mean response length (EOS off)
+    num_tokens: int                  # prompt + response tokens of one step
+    micro_batch_size: int            # TRL per_device_train_batch_size
+    gradient_accumulation_steps: int  # TRL micro-batches per optimizer step (one generation batch)
+    warmup_steps: int
+    timed_steps: int                 # TRL steps in the median (fewer than asked only if the guard cut the run)
+    trl_steps_s: list[float]         # every TRL step (generate + fwd/bwd + optimizer), warm-ups first
+    trl_step_s: float                # median of the timed steps
+    trl_peak_gib: float | None
+    furlong_rollout_s: float         # the rollout part's `seconds` at the fixed length
+    furlong_log_probs_s: float       # 0 when the step reuses the training forward's log-probs
+    furlong_train_step_s: float
+    furlong_weight_sync_s: float | None
+    furlong_step_s: float | None     # rollout + log-probs + train_step + weight sync
+    furlong_over_trl: float | None   # trl_step_s / furlong_step_s
+    note: str
+
+
+@dataclass
 class PartReport:
     name: str
     status: str = "skipped"          # ok | error | timeout | skipped
@@ -143,6 +165,9 @@ class StepSummary:
     train_step_s: float | None
     weight_sync_s: float | None
     whole_step_s: float | None       # None unless every term was measured
+    # the trl part's ratio (TRL's step / furlong's, both at one fixed response length, so it is not
+    # whole_step_s's forced per-sample lengths); None unless the trl part ran
+    furlong_over_trl: float | None = None
 
 
 def step_summary(reports: dict[str, PartReport]) -> StepSummary:
@@ -151,10 +176,14 @@ def step_summary(reports: dict[str, PartReport]) -> StepSummary:
     rollout_s = ro.seconds if ro else None
     logp = None if tr is None else (0.0 if tr.reuses_old_log_probs else tr.log_probs_s)
     terms = [rollout_s, logp, tr.train_step_s if tr else None, tr.weight_sync_s if tr else None]
-    return StepSummary(rollout_s, logp, terms[2], terms[3], None if None in terms else sum(terms))
+    trl = ok("trl")
+    return StepSummary(rollout_s, logp, terms[2], terms[3], None if None in terms else sum(terms),
+                       furlong_over_trl=trl.furlong_over_trl if trl else None)
 
 
 def _fmt(v: Any) -> str:
+    if isinstance(v, list):
+        return "[" + ", ".join(_fmt(x) for x in v) + "]"
     if isinstance(v, float):
         return f"{v:,.3f}" if abs(v) < 100 else f"{v:,.0f}"
     return str(v)

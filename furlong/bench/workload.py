@@ -8,14 +8,16 @@ is validated with ModelArgs at load time, so a bad one fails before any part run
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from furlong.models.hf_config import ModelArgs
 
-# budget last: its out-of-memory rows can leave the allocator fragmented for later parts
-PART_ORDER = ("train", "hf", "rollout", "decode", "eval", "budget")
+# budget last: its out-of-memory rows can leave the allocator fragmented for later parts;
+# trl (minutes of HF generate) after the engine's parts, so a short `all` run still gets those
+PART_ORDER = ("train", "hf", "rollout", "decode", "eval", "trl", "budget")
 DEFAULT_BUDGETS = [32768, 65536, 131072, 200000]
 
 
@@ -48,6 +50,9 @@ class Workload:
     hf_max_seconds: float           # cap on the HF generate run of the decode probe
     eval_num_prompts: int           # eval probe: prompts (lengths cycle through prompt_lens), greedy
     eval_max_new_tokens: int
+    trl_micro_batch_size: int       # trl part: TRL's per_device_train_batch_size (divides num_samples)
+    trl_warmup_steps: int           # trl part: untimed TRL steps first
+    trl_timed_steps: int            # trl part: TRL steps in the median
 
     @property
     def num_samples(self) -> int:
@@ -105,7 +110,16 @@ def load_workload(path: str | Path) -> Workload:
         hf_max_seconds=float(get("decode_probe", "hf_max_seconds", 60.0)),
         eval_num_prompts=int(raw.get("eval_probe", {}).get("num_prompts", 1319)),
         eval_max_new_tokens=int(raw.get("eval_probe", {}).get("max_new_tokens", 1024)),
+        # default 16 rows (16 x 16 = the seed step's 256), or a divisor of a smaller step's samples
+        trl_micro_batch_size=int(raw.get("trl_probe", {}).get("micro_batch_size", math.gcd(16, len(response_lens)))),
+        trl_warmup_steps=int(raw.get("trl_probe", {}).get("warmup_steps", 2)),
+        trl_timed_steps=int(raw.get("trl_probe", {}).get("timed_steps", 3)),
     )
+    if w.trl_micro_batch_size < 1 or w.num_samples % w.trl_micro_batch_size:
+        raise ValueError(f"--workload: {path}: trl_probe.micro_batch_size ({w.trl_micro_batch_size}) must divide "
+                         f"the {w.num_samples} samples of the step (one TRL optimizer step per rollout)")
+    if w.trl_warmup_steps < 0 or w.trl_timed_steps < 1:
+        raise ValueError(f"--workload: {path}: trl_probe.warmup_steps must be >= 0 and timed_steps >= 1")
     ModelArgs.from_hf_config(w.model, source=f"{path}: model")   # validates the config now
     return w
 
