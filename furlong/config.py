@@ -81,11 +81,12 @@ class EvalConfig:
 
 @dataclass
 class AlgoConfig:
-    advantage_estimator: str = flag("grpo", "grpo | gspo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline")
+    advantage_estimator: str = flag("grpo", "grpo | gspo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | "
+                                   "ppo (GAE with a critic)")
     disable_grpo_std_normalization: bool = flag(False, "GRPO: only subtract the group mean")
     disable_rewards_normalization: bool = flag(False, "grpo/gspo/reinforce_plus_plus_baseline: raw rewards (no group mean or std)")
     normalize_advantages: bool = flag(False, "whiten advantages over the global batch (all ranks)")
-    gamma: float = flag(1.0, "discount of the token-level returns (reinforce_plus_plus*)")
+    gamma: float = flag(1.0, "discount of the token-level returns (reinforce_plus_plus*, ppo)")
     lambd: float = flag(1.0, "GAE lambda (ppo)")
     loss_agg_mode: str = flag("seq-mean-token-mean", "seq-mean-token-mean (miles) | token-mean (DAPO; = "
                               "--calculate-per-token-loss) | seq-mean-token-sum-norm (Dr.GRPO: token sums over "
@@ -107,6 +108,14 @@ class AlgoConfig:
     use_rollout_logprobs: bool = flag(False, "old log-probs from the engine (no trainer forward for them)")
     calculate_per_token_loss: bool = flag(False, "average the loss over all response tokens of the step")
     skip_actor_forward_only: bool | None = flag(None, "reuse training log-probs as old log-probs (default: when exact)")
+    # the critic of --advantage-estimator ppo (miles' names; train/critic.py)
+    value_clip: float = flag(0.2, "ppo: clip of the critic's values around their pre-update values")
+    critic_hf_checkpoint: str | None = flag(None, "ppo: HF checkpoint the critic starts from (default: --hf-checkpoint)")
+    critic_lr: float | None = flag(None, "ppo: critic learning rate (default: --lr)")
+    critic_lr_warmup_iters: int = flag(0, "ppo: critic warm-up optimizer steps")
+    num_critic_only_steps: int = flag(0, "ppo: first rollouts that train only the critic (the actor stays frozen)")
+    critic_save: str | None = flag(None, "ppo: critic checkpoint directory (default: --save + '_critic')")
+    critic_load: str | None = flag(None, "ppo: critic checkpoint to resume (default: --load + '_critic')")
 
 
 @dataclass
@@ -278,9 +287,7 @@ def validate(cfg: Config, command: str = "train") -> None:
     _need(0 < es["top_p"] <= 1, "--eval-top-p", "must be in (0, 1]")
     _need(es["top_k"] == -1 or es["top_k"] >= 1, "--eval-top-k", "must be -1 (off) or >= 1")
     _need(es["max_new_tokens"] >= 1, "--eval-max-response-len", "must be >= 1")
-    estimators = ("grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-    _need(a.advantage_estimator != "ppo", "--advantage-estimator",
-          "ppo needs a critic (value model), which furlong does not have yet; use grpo, rloo or reinforce_plus_plus")
+    estimators = ("grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
     _need(a.advantage_estimator in estimators, "--advantage-estimator",
           f"unknown estimator {a.advantage_estimator!r} ({', '.join(estimators)})")
     _need(a.loss_agg_mode in ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"), "--loss-agg-mode",
@@ -297,6 +304,13 @@ def validate(cfg: Config, command: str = "train") -> None:
           f"the reward KL penalty applies to reinforce_plus_plus*, not {a.advantage_estimator} "
           "(use --use-kl-loss --kl-loss-coef)")
     _need(0 <= a.tis_clip_low <= a.tis_clip, "--tis-clip-low", "must be in [0, --tis-clip]")
+    _need(a.value_clip > 0, "--value-clip", "must be > 0")
+    _need(a.critic_lr is None or a.critic_lr >= 0, "--critic-lr", "must be >= 0")
+    _need(a.critic_lr_warmup_iters >= 0, "--critic-lr-warmup-iters", "must be >= 0")
+    _need(a.num_critic_only_steps >= 0, "--num-critic-only-steps", "must be >= 0")
+    _need(a.advantage_estimator == "ppo" or a.num_critic_only_steps == 0, "--num-critic-only-steps",
+          "needs --advantage-estimator ppo (no critic otherwise)")
+    _need(a.critic_load is None or cfg.ckpt.load is not None, "--critic-load", "needs --load (the critic resumes with the actor)")
     _need(a.kl_loss_type in ("k1", "k2", "k3", "low_var_kl"), "--kl-loss-type",
           f"unknown type {a.kl_loss_type!r} (k1, k2, k3, low_var_kl)")
     _need(not (a.kl_coef != 0 and a.kl_loss_coef != 0), "--kl-coef",

@@ -117,21 +117,27 @@ class PhaseClock:
 
 def _rollouts(parts: RunParts, ci: "CiChecker", progress: Progress, stop: StopRequest) -> int:
     """The RL steps; 0, or 128 + signal when a SIGINT/SIGTERM stopped the run after a whole step."""
-    cfg, ctx, actor, logger = parts.cfg, parts.ctx, parts.actor, parts.logger
+    cfg, ctx, actor, critic, logger = parts.cfg, parts.ctx, parts.actor, parts.critic, parts.logger
     num_rollout, eval_every = cfg.rollout.num_rollout, cfg.eval.eval_interval
     for rollout_id in range(parts.start_rollout, num_rollout):
         clock = PhaseClock()
         batch = parts.rollout(rollout_id)   # frees the engine's KV cache for the trainer (colocated)
         with clock("perf/log_probs_time"):
-            samples = build_train_samples(batch.groups, cfg, actor)   # advantages, old/ref log-probs
-        with clock("perf/actor_train_time"):
-            tm = actor.train_step(samples)
-        if rollout_id == 0:
-            ci.check_first_step_kl(tm.ppo_kl)
-        with clock("perf/update_weights_time"):
-            parts.sync_weights()
-
-        metrics = {**batch.metrics.as_log(), **tm.to_log()}
+            # advantages, old/ref log-probs; with a critic (ppo) its values and the returns
+            samples = build_train_samples(batch.groups, cfg, actor, critic)
+        metrics = batch.metrics.as_log()
+        if critic is not None:   # miles' order: the critic trains first, on the values GAE used
+            with clock("perf/critic_train_time"):
+                metrics.update(critic.train_step(samples).to_log())
+        # --num-critic-only-steps: the first rollouts warm the critic up while the actor stays frozen
+        if rollout_id >= cfg.algo.num_critic_only_steps:
+            with clock("perf/actor_train_time"):
+                tm = actor.train_step(samples)
+            if rollout_id == cfg.algo.num_critic_only_steps:
+                ci.check_first_step_kl(tm.ppo_kl)
+            with clock("perf/update_weights_time"):
+                parts.sync_weights()
+            metrics.update(tm.to_log())
         if cfg.log.save_debug_rollout_data and ctx.rank == 0:
             write_eval_samples(parts.output_dir, "train", rollout_id,
                                [s for g in batch.groups for s in g.samples], prefix="rollout")
@@ -140,14 +146,13 @@ def _rollouts(parts: RunParts, ci: "CiChecker", progress: Progress, stop: StopRe
                 m = _run_evals(parts, rollout_id)
             ci.observe(m)
             metrics.update(m)
-        t_train, num_train_tokens = clock.seconds["perf/actor_train_time"], sum(s.num_tokens for s in samples)
         # perf/rollout_time and perf/rollout_tok_per_s come from the rollout's own clock (as_log)
         metrics.update(clock.seconds)
-        metrics.update({
-            "perf/step_time": clock.elapsed(),
-            "perf/actor_train_tok_per_s": num_train_tokens / max(t_train, 1e-9),
-            "perf/actor_train_mfu": parts.mfu(num_train_tokens, t_train),
-        })
+        metrics["perf/step_time"] = clock.elapsed()
+        if "perf/actor_train_time" in clock.seconds:
+            t_train, num_train_tokens = clock.seconds["perf/actor_train_time"], sum(s.num_tokens for s in samples)
+            metrics["perf/actor_train_tok_per_s"] = num_train_tokens / max(t_train, 1e-9)
+            metrics["perf/actor_train_mfu"] = parts.mfu(num_train_tokens, t_train)
         if torch.cuda.is_available():
             metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.reset_peak_memory_stats()

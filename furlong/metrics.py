@@ -136,6 +136,7 @@ PROGRESS_FIELDS = (
     ("rollout/raw_reward", lambda v: f"reward {v:.3f}"),
     ("rollout/response_len/mean", lambda v: f"len {v:.0f}"),
     ("train/loss", lambda v: f"loss {v:+.4f}"),
+    ("critic/value_loss", lambda v: f"vloss {v:.4f}"),
     ("train/num_micro_batches", lambda v: f"mb {v:.0f}"),
 )
 

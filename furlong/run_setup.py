@@ -131,6 +131,7 @@ class RunParts:
     actor: Any | None                          # train.actor.Actor (None for eval only)
     start_rollout: int
     num_params: int
+    critic: Any | None = None                  # train.critic.Critic (ppo only)
 
     def rollout(self, rollout_id: int):
         """One rollout; the engine's KV cache is freed after it (colocated: the trainer needs it)."""
@@ -161,6 +162,9 @@ class RunParts:
 
     def save(self, rollout_id: int) -> None:
         from furlong.train.checkpoint import save_checkpoint
+        if self.critic is not None:   # first: a complete actor iter_N then implies the critic's
+            from furlong.train.critic_checkpoint import save_critic
+            save_critic(self.cfg, self.critic, rollout_id)
         path = save_checkpoint(self.cfg.ckpt.save, self.actor, rollout_id, sampler_state=self.dataset.state_dict())
         self.logger.line(f"saved checkpoint {path} (after rollout {rollout_id + 1})")
 
@@ -215,6 +219,10 @@ def build_run(cfg: Config, ctx, with_actor: bool) -> RunParts:
     check_writable(out, "--output-dir")
     if cfg.ckpt.save is not None:
         check_writable(cfg.ckpt.save, "--save")
+    critic_ckpt = None
+    if with_actor and cfg.algo.advantage_estimator == "ppo":
+        from furlong.train.critic import check_critic_inputs
+        critic_ckpt = check_critic_inputs(cfg, args.vocab_size, resume.iteration if resume is not None else None)
     if (out / "metrics.jsonl").exists() and cfg.ckpt.load is None and not cfg.log.overwrite:
         raise ValueError(f"--output-dir: {out} already holds a run (metrics.jsonl); pass --load to continue it "
                          "or --overwrite to replace it")
@@ -233,16 +241,22 @@ def build_run(cfg: Config, ctx, with_actor: bool) -> RunParts:
         kv_fraction=r.rollout_kv_fraction, max_num_seqs=r.rollout_max_num_seqs,
         decode_window=r.rollout_decode_window, max_model_len=max_prompt_len + max_resp,
         use_cuda_graphs=not r.rollout_enforce_eager))
-    actor = None
+    actor = critic = None
     if with_actor:
         from furlong.train.actor import Actor
         from furlong.train.memory_probe import CPU_DEFAULT_TOKENS, probe_max_tokens
         auto = cfg.max_tokens_per_gpu_is_auto
+        from furlong.train.critic import actor_schedule_steps
         actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=device), cfg, ctx,
-                      max_tokens_per_gpu=CPU_DEFAULT_TOKENS if auto else None)
+                      total_steps=actor_schedule_steps(cfg), max_tokens_per_gpu=CPU_DEFAULT_TOKENS if auto else None)
+        if critic_ckpt is not None:   # before the probe, which then measures with the critic (and its AdamW state)
+            from furlong.train.critic import build_critic
+            critic = build_critic(cfg, ctx, critic_ckpt, max_tokens_per_gpu=CPU_DEFAULT_TOKENS if auto else None)
         if auto:   # measured with the engine's weights already resident, as in every later step
             reserved = sum(p.numel() * p.element_size() for p in engine_model.parameters())
             actor.max_tokens_per_gpu = probe_max_tokens(actor, reserved_bytes=reserved)
+            if critic is not None:   # its activations per token are the actor's minus the log-prob chunks
+                critic.max_tokens_per_gpu = actor.max_tokens_per_gpu
             if ctx.rank == 0:
                 print(f"--max-tokens-per-gpu auto: chose {actor.max_tokens_per_gpu} tokens", flush=True)
 
@@ -268,10 +282,13 @@ def build_run(cfg: Config, ctx, with_actor: bool) -> RunParts:
 
     parts = RunParts(cfg=cfg, ctx=ctx, output_dir=out, logger=logger, dataset=dataset, eval_sets=eval_sets,
                      engine=engine, reward_fn=reward_fn, filter_fn=filter_fn, actor=actor,
-                     start_rollout=0, num_params=num_params)
+                     start_rollout=0, num_params=num_params, critic=critic)
     if resume is not None and actor is not None:
         from furlong.train.checkpoint import load_checkpoint
         state = load_checkpoint(cfg.ckpt.load, actor, resume.iteration)
+        if critic is not None:
+            from furlong.train.critic_checkpoint import load_critic
+            load_critic(cfg, critic, resume.iteration)
         dataset.load_state_dict(state.sampler_state)
         parts.start_rollout = state.rollout_id + 1
         parts.sync_weights()

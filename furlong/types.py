@@ -66,6 +66,8 @@ class TrainSample:
     old_log_probs: torch.Tensor | None = None   # [R] float32, policy before the step (None: reuse)
     ref_log_probs: torch.Tensor | None = None   # [R] float32, reference model (KL loss only)
     loss_mask: torch.Tensor | None = None       # [R] float32, 1 = token trains (None: all ones)
+    values: torch.Tensor | None = None          # [R] float32, critic values before the step (ppo only)
+    returns: torch.Tensor | None = None         # [R] float32, GAE returns: the critic's targets (ppo only)
 
     @property
     def num_tokens(self) -> int:

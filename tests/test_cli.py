@@ -160,8 +160,9 @@ BAD_INPUTS = {
                              ["--output-dir", "not a directory"]),
     "estimator unknown": (lambda a, t: train_flags(a, t / "out", "--advantage-estimator", "ppo2"),
                           ["--advantage-estimator", "ppo2"]),
-    "ppo without a critic": (lambda a, t: train_flags(a, t / "out", "--advantage-estimator", "ppo"),
-                             ["--advantage-estimator", "critic"]),
+    "ppo critic checkpoint missing": (lambda a, t: train_flags(a, t / "out", "--advantage-estimator", "ppo",
+                                                               "--critic-hf-checkpoint", str(t / "nope")),
+                                      ["--critic-hf-checkpoint", "nope"]),
 }
 
 

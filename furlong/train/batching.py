@@ -62,6 +62,14 @@ def token_loss_weights(samples: list[TrainSample], global_batch_size: int, per_t
     return out
 
 
+def step_loss_weights(samples: list[TrainSample], loss_agg_mode: str, calculate_per_token_loss: bool,
+                      max_response_len: int) -> list[torch.Tensor]:
+    """token_loss_weights for one optimizer step's samples (all ranks' share) under --loss-agg-mode."""
+    per_token = calculate_per_token_loss or loss_agg_mode == "token-mean"
+    constant = max_response_len if loss_agg_mode == "seq-mean-token-sum-norm" else None
+    return token_loss_weights(samples, len(samples), per_token, num_loss_tokens(samples) if per_token else 0, constant)
+
+
 # --------------------------------------------------------------------------- packing
 
 def _place(values: list[torch.Tensor], starts: list[int], total: int) -> torch.Tensor:

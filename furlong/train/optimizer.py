@@ -66,7 +66,34 @@ def build_optimizer(params_or_model: torch.nn.Module | Iterable[torch.nn.Paramet
     groups = _param_groups(params_or_model, optim_cfg.weight_decay)
     if not groups:
         raise ValueError("build_optimizer: no trainable parameters")
-    return make(groups, optim_cfg)
+    optimizer = make(groups, optim_cfg)
+    init_state(optimizer)
+    return optimizer
+
+
+def init_state(optimizer: torch.optim.Optimizer) -> None:
+    """Allocate the optimizer's state now, exactly as its first step would (AdamW: zero moments, step 0).
+
+    Left lazy, a checkpoint saved before the first step (the actor's during --num-critic-only-steps)
+    would create it inside torch's get_state_dict with a zero-lr step that counts as Adam's step 1,
+    so the first real update would get step 2's bias correction (about 0.74x its size for betas
+    0.9/0.98), and a resumed run would not repeat the uninterrupted one. Here the same zero-lr step
+    runs on zero gradients (weights unchanged, moments stay 0) and the step counts are reset to 0.
+    """
+    if optimizer.state:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+    for p in params:
+        p.grad = None
+        optimizer.state[p]["step"].zero_()
 
 
 def _constant(r: float) -> float:

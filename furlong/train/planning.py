@@ -206,6 +206,39 @@ def fixed_micro_batches(indices: list[int], micro_batch_size: int) -> list[list[
     return [list(indices[s:s + micro_batch_size]) for s in range(0, len(indices), micro_batch_size)]
 
 
+def rank_micro_batches(lengths: list[int], world_size: int, max_tokens: int | None,
+                       micro_batch_size: int) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """The rank split and, per rank, its micro-batches as indices into `lengths` (identical on
+    every rank): dynamic batching under `max_tokens`, or `micro_batch_size` samples when it is None."""
+    split = split_across_ranks(lengths, world_size)
+    plans = []
+    for idx in split:
+        if max_tokens is not None:
+            local = plan_micro_batches([lengths[i] for i in idx], max_tokens)
+        else:
+            local = fixed_micro_batches(list(range(len(idx))), micro_batch_size)
+        plans.append([[idx[j] for j in mb] for mb in local])
+    return split, plans
+
+
+def optimizer_step_chunks(num_samples: int, global_batch_size: int | None,
+                          num_steps_per_rollout: int | None) -> list[list[int]]:
+    """Sample indices of each optimizer step of a rollout: --num-steps-per-rollout equal steps,
+    else one step per --global-batch-size samples, else one step (ValueError when uneven)."""
+    if num_steps_per_rollout is not None:
+        n = num_steps_per_rollout
+        if num_samples % n:
+            raise ValueError(f"--num-steps-per-rollout: {num_samples} samples do not split into {n} equal steps")
+    elif global_batch_size is not None:
+        if num_samples % global_batch_size:
+            raise ValueError(f"--global-batch-size: {num_samples} samples are not a multiple of {global_batch_size}")
+        n = max(num_samples // global_batch_size, 1)
+    else:
+        n = 1
+    size = num_samples // n
+    return [list(range(k * size, (k + 1) * size)) for k in range(n)]
+
+
 @dataclass
 class BalanceStats:
     num_micro_batches: int

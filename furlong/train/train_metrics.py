@@ -1,7 +1,7 @@
-"""What a train step reports: StepResult per optimizer step, TrainMetrics per rollout.
+"""What a train step reports: StepResult per optimizer step, TrainMetrics (CriticMetrics) per rollout.
 
 StepResult lives on the host after each optimizer step; TrainMetrics sums a rollout's steps
-and is logged as `train/*` (docs/design.md §7)."""
+and is logged as `train/*`, the critic's CriticMetrics as `critic/*` (docs/design.md §7)."""
 from __future__ import annotations
 
 import dataclasses
@@ -44,3 +44,20 @@ class StepResult:
     num_micro_batches: int
     num_tokens: int
     tokens_max_over_mean: float
+
+
+@dataclass
+class CriticMetrics:
+    """One Critic.train_step (all optimizer steps of a rollout); loss terms are step means."""
+    value_loss: float
+    value_clipfrac: float
+    explained_variance: float     # of the returns by the pre-update values (value_loss.py)
+    grad_norm: float              # before clipping, mean over steps
+    lr: float                     # learning rate of the last step
+    num_steps: int
+    num_skipped_steps: int
+    seconds: float
+
+    def to_log(self) -> dict[str, float]:
+        """`critic/*` metric names (docs/design.md §7; miles logs train/critic-value_loss, ...)."""
+        return {f"critic/{f.name}": getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "seconds"}

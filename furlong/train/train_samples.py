@@ -5,10 +5,12 @@ log-probs come from the engine (`--use-rollout-logprobs`), from a separate
 trainer forward (when the training forward cannot supply them: several
 optimizer steps per rollout, or a KL penalty in the reward that needs them
 before training), or later from the training forward itself (one step: exact);
-reference log-probs when a KL term needs them; then the estimator named by
---advantage-estimator, and `--normalize-advantages` whitening (always on for the
-reinforce_plus_plus family, which miles requires it for). Every rank holds
-the whole batch here, so batch statistics are global without a collective.
+reference log-probs when a KL term needs them; the critic's values (ppo); then
+the estimator named by --advantage-estimator, and `--normalize-advantages`
+whitening (always on for the reinforce_plus_plus family, which miles requires it
+for). Every rank holds the whole batch here, so batch statistics are global
+without a collective. With a critic, samples also carry the values and the GAE
+returns (unwhitened) that the critic trains on.
 """
 from __future__ import annotations
 
@@ -36,8 +38,9 @@ def shaped_rewards(groups: list[Group], cfg: Config) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.float32)
 
 
-def build_train_samples(groups: list[Group], cfg: Config, actor) -> list[TrainSample]:
-    """Samples with advantages and the log-probs the loss needs (module docstring)."""
+def build_train_samples(groups: list[Group], cfg: Config, actor, critic=None) -> list[TrainSample]:
+    """Samples with advantages and the log-probs the loss needs (module docstring); `critic`
+    (train/critic.py) is needed by ppo and adds values and returns."""
     a = cfg.algo
     samples = [TrainSample(token_ids=torch.tensor(s.prompt.token_ids + s.response_ids, dtype=torch.long),
                            num_prompt_tokens=len(s.prompt.token_ids),
@@ -59,15 +62,19 @@ def build_train_samples(groups: list[Group], cfg: Config, actor) -> list[TrainSa
     kl = None
     if kl_in_reward:
         kl = [kl_penalty(s.old_log_probs, s.ref_log_probs, a.kl_loss_type) for s in samples]
-    inputs = AdvantageInputs(rewards=shaped_rewards(groups, cfg), response_masks=masks, kl=kl)
+    values = critic.compute_values(samples) if critic is not None else None
+    inputs = AdvantageInputs(rewards=shaped_rewards(groups, cfg), response_masks=masks, kl=kl, values=values)
     params = AdvantageParams(normalize_std=not a.disable_grpo_std_normalization,
                              normalize_rewards=not a.disable_rewards_normalization, kl_coef=a.kl_coef,
                              gamma=a.gamma, lambd=a.lambd)
-    advantages, _ = get_estimator(a.advantage_estimator)(inputs, params)
+    advantages, returns = get_estimator(a.advantage_estimator)(inputs, params)
     # miles requires whitening for the reinforce_plus_plus family (its returns are not centred);
     # furlong applies it for them whether or not --normalize-advantages is given.
     if a.normalize_advantages or a.advantage_estimator.startswith("reinforce_plus_plus"):
         advantages = whiten(advantages, masks, None)
     for s, adv in zip(samples, advantages):
         s.advantages = adv.float()
+    if values is not None:
+        for s, v, ret in zip(samples, values, returns):
+            s.values, s.returns = v, ret.float()
     return samples

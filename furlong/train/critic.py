@@ -1,0 +1,226 @@
+"""PPO's critic: the value model, sharded and trained like the actor (docs/design.md §2, §5).
+
+Per rollout, in miles' order (the critic before the actor):
+  1. `compute_values(samples)`: V of every response token, [R] per sample, under the current
+     critic (no grad; each rank its token-balanced share, then all-gathered), from which
+     GAE makes advantages and returns (train_samples.py);
+  2. `train_step(samples)`: the actor's optimizer steps per rollout (--global-batch-size /
+     --num-steps-per-rollout), rank split, micro-batch plan and loss weights (--loss-agg-mode),
+     so FSDP's summed gradients equal one big batch; the objective is value_loss.value_loss
+     against the returns, clipped around step 1's values by --value-clip.
+
+The critic's optimizer is the actor's (--optimizer, betas, weight decay, --clip-grad, decay
+style) with its own --critic-lr (default --lr) and --critic-lr-warmup-iters: miles swaps
+exactly these two into the critic's arguments. Its weights start from
+--critic-hf-checkpoint (default --hf-checkpoint) with a fresh value head (models/value_model.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import register_fsdp_forward_method
+
+from furlong.config import Config, OptimConfig
+from furlong.models.value_model import ValueModel
+from furlong.train.batching import (move_micro_batch, pack_micro_batch, padding_micro_batch, response_slices,
+                                    step_loss_weights)
+from furlong.train.distributed import DistContext, all_gather_flat
+from furlong.train.fsdp import compile_enabled, compile_layers, compute_dtype, shard_model
+from furlong.train.optimizer import build_lr_scheduler, build_optimizer
+from furlong.train.planning import optimizer_step_chunks, rank_micro_batches
+from furlong.train.train_metrics import CriticMetrics
+from furlong.train.value_loss import ValueLossMetrics, explained_variance, value_loss
+from furlong.types import MicroBatch, TrainSample
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class CriticStep:
+    """One optimizer step of the critic, on the host."""
+    metrics: ValueLossMetrics     # summed over the step's micro-batches and ranks (0-d CPU tensors)
+    grad_norm: float              # before clipping; non-finite: the update was skipped
+    lr: float                     # the learning rate the step used
+
+
+def critic_optim_config(cfg: Config) -> OptimConfig:
+    """The actor's optimizer settings with --critic-lr and --critic-lr-warmup-iters swapped in."""
+    a = cfg.algo
+    return dataclasses.replace(cfg.optim, lr=cfg.optim.lr if a.critic_lr is None else a.critic_lr,
+                               lr_warmup_iters=a.critic_lr_warmup_iters)
+
+
+def steps_per_rollout(cfg: Config, num_samples: int) -> int:
+    """Optimizer steps a rollout of `num_samples` kept samples takes (the LR schedule's count)."""
+    b = cfg.batch
+    if b.num_steps_per_rollout is not None:
+        return b.num_steps_per_rollout
+    return max(num_samples // b.global_batch_size, 1) if b.global_batch_size else 1
+
+
+def actor_schedule_steps(cfg: Config) -> int | None:
+    """The actor's LR-schedule length when it sits out the first --num-critic-only-steps rollouts,
+    so that a decaying LR still reaches --min-lr at the end (None: no warm-up, the Actor's default)."""
+    frozen = cfg.algo.num_critic_only_steps
+    if frozen == 0:
+        return None
+    kept = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
+    return max(cfg.rollout.num_rollout - frozen, 1) * steps_per_rollout(cfg, kept)
+
+
+class Critic:
+    def __init__(self, model: ValueModel, cfg: Config, ctx: DistContext, total_steps: int | None = None,
+                 max_tokens_per_gpu: int | None = None):
+        """`model`: the unsharded value model (sharded in place, fp32 masters). total_steps: the LR
+        schedule's optimizer steps (default from the flags); max_tokens_per_gpu: the budget under
+        --max-tokens-per-gpu auto (else the flag's), or set `critic.max_tokens_per_gpu` later."""
+        self.cfg, self.ctx = cfg, ctx
+        model.gradient_checkpointing = cfg.batch.gradient_checkpointing
+        if compile_enabled(cfg.parallel.torch_compile, ctx.device):
+            compile_layers(model)
+        shard_model(model, ctx, compute_dtype(ctx.device, cfg.parallel.dtype))
+        register_fsdp_forward_method(model, "forward_packed")   # not __call__: needs FSDP's unshard hooks
+        self.model = model.train()
+        optim_cfg = critic_optim_config(cfg)
+        self.optimizer = build_optimizer(self.model, optim_cfg)
+        if total_steps is None:
+            kept = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
+            total_steps = max(cfg.rollout.num_rollout, 1) * steps_per_rollout(cfg, kept)
+        self.scheduler = build_lr_scheduler(self.optimizer, optim_cfg, total_steps)
+        self.max_tokens_per_gpu = max_tokens_per_gpu if max_tokens_per_gpu is not None else cfg.max_tokens_per_gpu
+
+    def _plan(self, samples: list[TrainSample]) -> tuple[list[list[int]], list[list[list[int]]]]:
+        """Rank split and per-rank micro-batches, the actor's planner on the same samples."""
+        b = self.cfg.batch
+        if b.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
+            raise ValueError("--max-tokens-per-gpu: auto budget not set on the critic yet")
+        return rank_micro_batches([s.num_tokens for s in samples], self.ctx.world_size,
+                                  self.max_tokens_per_gpu if b.use_dynamic_batch_size else None, b.micro_batch_size)
+
+    def _values(self, mb: MicroBatch) -> torch.Tensor:
+        """Values [T] fp32 at every packed position of mb (already on the device)."""
+        return self.model.forward_packed(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
+
+    @torch.no_grad()
+    def compute_values(self, samples: list[TrainSample]) -> list[torch.Tensor]:
+        """Values [R] (fp32, CPU) of every sample's response tokens; every rank returns all of them."""
+        split, plans = self._plan(samples)
+        zero_w = [torch.zeros(s.num_response_tokens) for s in samples]
+        mine, num_mb = plans[self.ctx.rank], max(len(p) for p in plans)
+        out: dict[int, torch.Tensor] = {}
+        for k in range(num_mb):
+            # a rank short of micro-batches still runs one, to join every FSDP all-gather
+            mb = pack_micro_batch(samples, zero_w, mine[k]) if k < len(mine) else padding_micro_batch(False, False)
+            v = self._values(move_micro_batch(mb, self.ctx.device))
+            for i, (s, e) in zip(mb.sample_indices, response_slices(mb, samples)):
+                out[i] = v[s:e]
+        self.model.reshard()   # the root stays gathered after a forward (fsdp.py); free it here
+        local = [out[i] for i in split[self.ctx.rank]]
+        flat = torch.cat(local) if local else torch.zeros(0, device=self.ctx.device)
+        sizes = [sum(samples[i].num_response_tokens for i in idx) for idx in split]
+        result: list[torch.Tensor] = [torch.empty(0)] * len(samples)
+        for idx, gathered in zip(split, all_gather_flat(flat, sizes)):
+            for i, part in zip(idx, gathered.split([samples[i].num_response_tokens for i in idx])):
+                result[i] = part.float().clone()
+        return result
+
+    def train_step(self, samples: list[TrainSample]) -> CriticMetrics:
+        """All optimizer steps of one rollout; samples carry `values` and `returns` (identical on every rank)."""
+        if not samples:
+            raise ValueError("Critic.train_step: no samples")
+        if any(s.values is None or s.returns is None for s in samples):
+            raise ValueError("Critic.train_step: samples need values and returns (build_train_samples with a critic)")
+        t0 = time.perf_counter()
+        b = self.cfg.batch
+        chunks = optimizer_step_chunks(len(samples), b.global_batch_size, b.num_steps_per_rollout)
+        steps = [self._optimizer_step([samples[i] for i in idx]) for idx in chunks]
+        finite = [st for st in steps if math.isfinite(st.grad_norm)] or steps
+        masks = [s.loss_mask if s.loss_mask is not None else torch.ones(s.num_response_tokens) for s in samples]
+        return CriticMetrics(
+            value_loss=sum(st.metrics.value_loss.item() for st in steps) / len(steps),
+            value_clipfrac=sum(st.metrics.value_clipfrac.item() for st in steps) / len(steps),
+            explained_variance=explained_variance([s.values for s in samples], [s.returns for s in samples], masks),
+            grad_norm=sum(st.grad_norm for st in finite) / len(finite), lr=steps[-1].lr, num_steps=len(steps),
+            num_skipped_steps=sum(not math.isfinite(st.grad_norm) for st in steps), seconds=time.perf_counter() - t0)
+
+    def _packed(self, mb: MicroBatch, samples: list[TrainSample], field: str) -> torch.Tensor:
+        """A per-sample [R] field of mb's samples placed at its response positions, [T] (0 elsewhere)."""
+        out = torch.zeros(mb.num_tokens, dtype=torch.float32)
+        for i, (s, e) in zip(mb.sample_indices, response_slices(mb, samples)):
+            out[s:e] = getattr(samples[i], field).float()
+        return out
+
+    def _optimizer_step(self, samples: list[TrainSample]) -> "CriticStep":
+        cfg, ctx = self.cfg, self.ctx
+        split, plans = self._plan(samples)
+        mine, num_mb = plans[ctx.rank], max(len(p) for p in plans)
+        weights = step_loss_weights(samples, cfg.algo.loss_agg_mode, cfg.algo.calculate_per_token_loss,
+                                    cfg.rollout.rollout_max_response_len)
+        total = ValueLossMetrics.zeros(ctx.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        for k in range(num_mb):
+            # gradients are reduce-scattered once, after the step's last micro-batch (as in the actor)
+            self.model.set_requires_gradient_sync(k == num_mb - 1)
+            mb = pack_micro_batch(samples, weights, mine[k]) if k < len(mine) else padding_micro_batch(False, False)
+            old, returns = self._packed(mb, samples, "values"), self._packed(mb, samples, "returns")
+            mb = move_micro_batch(mb, ctx.device)
+            loss, metrics = value_loss(self._values(mb), old.to(ctx.device), returns.to(ctx.device),
+                                       mb.loss_weight, cfg.algo.value_clip)
+            loss.backward()
+            total = total + metrics
+        max_norm = cfg.optim.clip_grad if cfg.optim.clip_grad > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        stacked = total.stacked()
+        if ctx.world_size > 1:
+            dist.all_reduce(stacked)
+        host = torch.cat([stacked, grad_norm.reshape(1).float().to(stacked.device)]).tolist()   # one sync
+        norm, lr = host[-1], self.scheduler.get_last_lr()[0]
+        if math.isfinite(norm):   # the norm is global, so every rank skips alike
+            self.optimizer.step()
+        else:
+            log.warning("critic: skipping optimizer step: grad norm is %s", norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return CriticStep(ValueLossMetrics(*(torch.tensor(v) for v in host[:-1])), norm, lr)
+
+
+def check_critic_inputs(cfg: Config, vocab_size: int, resume_iteration: int | None) -> Path:
+    """Run set-up's input checks for the critic (nothing written yet; ValueError naming the flag):
+    the HF checkpoint it starts from (returned), which must share the actor's vocabulary since it
+    reads the actor's token ids; on resume, its checkpoint of the actor's iteration; --critic-save."""
+    from furlong.models.hf_config import ModelArgs
+    from furlong.run_setup import check_checkpoint_dir, check_writable
+    from furlong.train.critic_checkpoint import check_critic_resume, critic_save_dir
+    path = check_checkpoint_dir(cfg.data.hf_checkpoint)
+    if cfg.algo.critic_hf_checkpoint is not None:
+        try:
+            path = check_checkpoint_dir(cfg.algo.critic_hf_checkpoint)
+        except ValueError as e:
+            raise ValueError(str(e).replace("--hf-checkpoint", "--critic-hf-checkpoint", 1)) from e
+        critic_vocab = ModelArgs.from_dir(path).vocab_size
+        if critic_vocab != vocab_size:
+            raise ValueError(f"--critic-hf-checkpoint: vocab_size {critic_vocab} differs from the --hf-checkpoint "
+                             f"model's {vocab_size} (the critic reads the actor's token ids)")
+    if resume_iteration is not None:
+        check_critic_resume(cfg, resume_iteration)
+    if critic_save_dir(cfg) is not None:
+        check_writable(critic_save_dir(cfg), "--critic-save")
+    return path
+
+
+def build_critic(cfg: Config, ctx: DistContext, checkpoint_dir: Path,
+                 max_tokens_per_gpu: int | None = None) -> Critic:
+    """The critic of a ppo run: the decoder of `checkpoint_dir` (checked by run set-up) with a value
+    head seeded by --seed, so every rank and world size starts from the same head."""
+    from furlong.models.hf_io import load_pretrained
+    decoder = load_pretrained(checkpoint_dir, dtype=torch.float32, device=ctx.device)
+    head_seed = torch.Generator().manual_seed(cfg.parallel.seed)
+    return Critic(ValueModel(decoder, head_seed), cfg, ctx, max_tokens_per_gpu=max_tokens_per_gpu)
