@@ -37,8 +37,8 @@ class DataError(ValueError):
 
 @dataclass
 class RawRow:
-    index: int    # 0-based row index in the source file (before slicing)
-    input: Any    # the input-key value: chat messages (list of dicts) or a string
+    row: int      # 0-based row index in the source file (before slicing: FILE@[5:] starts at 5)
+    raw: Any      # the input-key value: chat messages (list of dicts) or a string
     label: str    # the label-key value as a string ("" without a label key)
 
 
@@ -113,7 +113,7 @@ def load_rows(path_spec: str, input_key: str, label_key: str | None) -> list[Raw
             raise DataError(f"{where}: missing input key {input_key!r}")
         if label_key is not None and label is None:
             raise DataError(f"{where}: missing label key {label_key!r}")
-        out.append(RawRow(index=index, input=value, label="" if label is None else str(label)))
+        out.append(RawRow(row=index, raw=value, label="" if label is None else str(label)))
     return out
 
 
@@ -139,15 +139,15 @@ class PromptDataset:
 
         conversations, texts = [], []
         for r in rows:
-            where = f"{path}: row {r.index + 1}"
-            if isinstance(r.input, str):
-                conversations.append([{"role": "user", "content": r.input}])
-                texts.append(r.input)
+            where = f"{path}: row {r.row + 1}"
+            if isinstance(r.raw, str):
+                conversations.append([{"role": "user", "content": r.raw}])
+                texts.append(r.raw)
                 continue
-            _check_messages(r.input, where, input_key)
+            _check_messages(r.raw, where, input_key)
             if not apply_chat_template:
                 raise DataError(f"{where}: key {input_key!r} holds chat messages; pass --apply-chat-template")
-            conversations.append(r.input)
+            conversations.append(r.raw)
         if apply_chat_template:
             if getattr(tokenizer, "chat_template", None) is None:
                 raise DataError("--apply-chat-template: the tokenizer has no chat template")
@@ -161,9 +161,9 @@ class PromptDataset:
                 self.num_dropped += 1
                 continue
             if max_context_len is not None and len(ids) > max_context_len:
-                raise DataError(f"{path}: row {r.index + 1}: prompt is {len(ids)} tokens, over the {max_context_len} "
+                raise DataError(f"{path}: row {r.row + 1}: prompt is {len(ids)} tokens, over the {max_context_len} "
                                 f"the model's context leaves after --rollout-max-response-len")
-            self.prompts.append(Prompt(row=r.index, raw=r.input, text=text, token_ids=list(ids), label=r.label))
+            self.prompts.append(Prompt(row=r.row, raw=r.raw, text=text, token_ids=list(ids), label=r.label))
         if not self.prompts:
             raise DataError(f"{path_spec}: all {len(rows)} prompts are longer than "
                             f"--rollout-max-prompt-len {max_prompt_len}")

@@ -15,10 +15,16 @@ from dataclasses import dataclass
 import torch
 
 from furlong.config import Config
-from furlong.metrics import Progress, progress_line
-from furlong.run_setup import RunParts, build_run, write_eval_samples
+from furlong.metrics import Progress, progress_line, write_samples
+from furlong.rollout.eval import EvalSpec, run_eval
+from furlong.rollout.rollout import RolloutBatch, RolloutSpec, generate_rollout
+from furlong.run_setup import RunParts, build_run
 from furlong.signals import StopRequest
+from furlong.train.mfu import mfu
+from furlong.train.run_checkpoint import save_run
 from furlong.train.train_samples import build_train_samples
+from furlong.train.weight_sync import sync_weights
+from furlong.types import DistContext
 
 
 @dataclass
@@ -53,21 +59,38 @@ class CiFailure(RuntimeError):
     pass
 
 
+def _rollout(parts: RunParts, spec: RolloutSpec, rollout_id: int) -> RolloutBatch:
+    """One rollout; the engine's KV cache is freed after it (colocated: the trainer needs the memory)."""
+    try:
+        return generate_rollout(parts.dataset, parts.engine, parts.reward_fn, parts.filter_fn, spec, parts.ctx,
+                                rollout_id)
+    finally:
+        parts.engine.release()
+
+
 def _run_evals(parts: RunParts, rollout_id: int) -> dict[str, float]:
-    out: dict[str, float] = {}
+    spec, out = EvalSpec.from_config(parts.cfg), {}
     for name, prompts in parts.eval_sets:
         t = time.perf_counter()
-        parts.logger.line(f"[eval {name}] generating {len(prompts)} prompts x "
-                          f"{parts.cfg.eval.n_samples_per_eval_prompt} samples ...")
-        res = parts.run_eval(name, prompts)
+        n = spec.n_samples_per_prompt
+        parts.logger.line(f"[eval {name}] generating {len(prompts)} prompts x {n} samples ...")
+        try:
+            res = run_eval(name, prompts, parts.engine, parts.reward_fn, spec.sampling, n, parts.ctx)
+        finally:
+            parts.engine.release()   # as after a rollout
         parts.logger.line(f"[eval {name}] {res.score:.3f} ({res.num_samples} samples, {time.perf_counter() - t:.1f}s)")
         out[f"eval/{name}"] = res.score
         if parts.ctx.rank == 0:
-            write_eval_samples(parts.output_dir, name, rollout_id, res.samples)
+            write_samples(parts.output_dir, name, rollout_id, res.samples)
     return out
 
 
-def run_rl(cfg: Config, ctx) -> int:
+def _save(parts: RunParts, rollout_id: int) -> None:
+    path = save_run(parts.cfg, parts.actor, parts.critic, parts.dataset, rollout_id)
+    parts.logger.line(f"saved checkpoint {path} (after rollout {rollout_id + 1})")
+
+
+def run_rl(cfg: Config, ctx: DistContext) -> int:
     parts = build_run(cfg, ctx, with_actor=True)   # validates every input before anything is written
     logger = parts.logger
     ci = CiChecker(cfg.log.ci_metric_checker_key if cfg.log.ci_test else None,
@@ -90,7 +113,7 @@ def run_rl(cfg: Config, ctx) -> int:
         return code
     if cfg.ckpt.save is not None and num_rollout > parts.start_rollout and not (
             cfg.ckpt.save_interval and num_rollout % cfg.ckpt.save_interval == 0):
-        parts.save(num_rollout - 1)   # always leave the final state on disk
+        _save(parts, num_rollout - 1)   # always leave the final state on disk
     logger.close()
     ci.final()
     return 0
@@ -119,9 +142,10 @@ def _rollouts(parts: RunParts, ci: "CiChecker", progress: Progress, stop: StopRe
     """The RL steps; 0, or 128 + signal when a SIGINT/SIGTERM stopped the run after a whole step."""
     cfg, ctx, actor, critic, logger = parts.cfg, parts.ctx, parts.actor, parts.critic, parts.logger
     num_rollout, eval_every = cfg.rollout.num_rollout, cfg.eval.eval_interval
+    spec = RolloutSpec.from_config(cfg)
     for rollout_id in range(parts.start_rollout, num_rollout):
         clock = PhaseClock()
-        batch = parts.rollout(rollout_id)   # frees the engine's KV cache for the trainer (colocated)
+        batch = _rollout(parts, spec, rollout_id)
         with clock("perf/log_probs_time"):
             # advantages, old/ref log-probs; with a critic (ppo) its values and the returns
             samples = build_train_samples(batch.groups, cfg, actor, critic)
@@ -136,10 +160,10 @@ def _rollouts(parts: RunParts, ci: "CiChecker", progress: Progress, stop: StopRe
             if rollout_id == cfg.algo.num_critic_only_steps:
                 ci.check_first_step_kl(tm.ppo_kl)
             with clock("perf/update_weights_time"):
-                parts.sync_weights()
+                sync_weights(actor.model, parts.engine.model, cfg.batch.update_weight_buffer_size)
             metrics.update(tm.to_log())
         if cfg.log.save_debug_rollout_data and ctx.rank == 0:
-            write_eval_samples(parts.output_dir, "train", rollout_id,
+            write_samples(parts.output_dir, "train", rollout_id,
                                [s for g in batch.groups for s in g.samples], prefix="rollout")
         if eval_every is not None and parts.eval_sets and (rollout_id + 1) % eval_every == 0:
             with clock("perf/eval_time"):
@@ -152,7 +176,9 @@ def _rollouts(parts: RunParts, ci: "CiChecker", progress: Progress, stop: StopRe
         if "perf/actor_train_time" in clock.seconds:
             t_train, num_train_tokens = clock.seconds["perf/actor_train_time"], sum(s.num_tokens for s in samples)
             metrics["perf/actor_train_tok_per_s"] = num_train_tokens / max(t_train, 1e-9)
-            metrics["perf/actor_train_mfu"] = parts.mfu(num_train_tokens, t_train)
+            # 6*N FLOPs per token over the peak of the GPUs in use (train/mfu.py)
+            metrics["perf/actor_train_mfu"] = mfu(parts.num_params, num_train_tokens, t_train, ctx.device,
+                                                  ctx.world_size)
         if torch.cuda.is_available():
             metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.reset_peak_memory_stats()
@@ -162,18 +188,18 @@ def _rollouts(parts: RunParts, ci: "CiChecker", progress: Progress, stop: StopRe
         logger.line(progress_line(rollout_id, num_rollout, metrics, progress.eta(rollout_id + 1)))
         saved = cfg.ckpt.save is not None and cfg.ckpt.save_interval and (rollout_id + 1) % cfg.ckpt.save_interval == 0
         if saved:
-            parts.save(rollout_id)
+            _save(parts, rollout_id)
         signum = stop.agreed(ctx.world_size, ctx.device)
         if signum:
             if cfg.ckpt.save is not None and not saved:
-                parts.save(rollout_id)
+                _save(parts, rollout_id)
             logger.line(f"furlong: stopped by signal {signum} after rollout {rollout_id + 1}/{num_rollout}"
                         + (f"; resume with --load {cfg.ckpt.save}" if cfg.ckpt.save is not None else ""))
             return 128 + signum
     return 0
 
 
-def run_eval_only(cfg: Config, ctx) -> int:
+def run_eval_only(cfg: Config, ctx: DistContext) -> int:
     """`furlong eval`: the eval sets of --eval-prompt-data on --hf-checkpoint."""
     if not cfg.eval.eval_prompt_data:
         raise ValueError("--eval-prompt-data: required for furlong eval")

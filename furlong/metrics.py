@@ -1,4 +1,4 @@
-"""Run outputs: metrics.jsonl, the per-rollout progress line, TensorBoard, wandb.
+"""Run outputs: metrics.jsonl, the per-rollout progress line, TensorBoard, wandb, sample dumps.
 
 Metric names follow miles (docs/design.md §7) so dashboards carry over. Only rank 0
 writes; other ranks get a logger whose methods do nothing.
@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
+
+from furlong.types import Sample
 
 
 def format_duration(seconds: float) -> str:
@@ -155,3 +157,16 @@ def progress_line(rollout_id: int, num_rollout: int, metrics: dict[str, float], 
         parts.append(f"step {metrics['perf/step_time']:.1f}s")
     parts.append(f"ETA {format_duration(eta_s)}")
     return " | ".join(parts)
+
+
+def write_samples(output_dir: Path, name: str, rollout_id: int, samples: list[Sample], prefix: str = "eval") -> None:
+    """samples/{prefix}_{name}_{rollout_id + 1}.jsonl: eval responses, or a rollout's (--save-debug-rollout-data)."""
+    d = output_dir / "samples"
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{prefix}_{name}_{rollout_id + 1}.jsonl"
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        for s in samples:
+            f.write(json.dumps({"prompt": s.prompt.text, "response": s.response_text, "label": s.prompt.label,
+                                "reward": s.reward, "finish_reason": s.finish_reason}) + "\n")
+    os.replace(tmp, path)

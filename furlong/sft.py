@@ -26,21 +26,21 @@ def sft_samples(path_spec: str, tokenizer, input_key: str, max_len: int) -> list
     rows = load_rows(path_spec, input_key, None)
     out = []
     for r in rows:
-        msgs = r.input
+        msgs = r.raw
         if not isinstance(msgs, list) or not msgs or not isinstance(msgs[-1], dict) \
                 or msgs[-1].get("role") != "assistant":
-            raise DataError(f"{path_spec}: row {r.index + 1}: {input_key!r} must be chat messages ending "
+            raise DataError(f"{path_spec}: row {r.row + 1}: {input_key!r} must be chat messages ending "
                             "with an assistant turn")
         prompt = tokenizer.apply_chat_template(msgs[:-1], tokenize=False, add_generation_prompt=True)
         full = tokenizer.apply_chat_template(msgs, tokenize=False)
         if not full.startswith(prompt):
-            raise DataError(f"{path_spec}: row {r.index + 1}: the chat template does not extend the prompt")
+            raise DataError(f"{path_spec}: row {r.row + 1}: the chat template does not extend the prompt")
         p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         r_ids = tokenizer(full[len(prompt):].rstrip("\n"), add_special_tokens=False)["input_ids"]
         ids = (p_ids + r_ids)[:max_len]
         num_r = len(ids) - len(p_ids)
         if num_r <= 0:
-            raise DataError(f"{path_spec}: row {r.index + 1}: prompt fills --sft-max-len {max_len}")
+            raise DataError(f"{path_spec}: row {r.row + 1}: prompt fills --sft-max-len {max_len}")
         zeros = torch.zeros(num_r)
         out.append(TrainSample(token_ids=torch.tensor(ids, dtype=torch.long), num_prompt_tokens=len(p_ids),
                                advantages=zeros, rollout_log_probs=zeros, old_log_probs=zeros))
@@ -60,7 +60,7 @@ def save_hf_checkpoint(model: torch.nn.Module, src_ckpt: Path, out_dir: str, ran
 
 def run_sft(cfg: Config, ctx) -> int:
     from furlong.models.hf_io import load_pretrained
-    from furlong.run_setup import check_hf_checkpoint
+    from furlong.preflight import check_hf_checkpoint
     from furlong.train.actor import Actor
 
     ckpt, _, tokenizer = check_hf_checkpoint(cfg.data.hf_checkpoint)

@@ -15,9 +15,20 @@ import torch
 
 
 @dataclass
+class DistContext:
+    """Where this process sits among the data-parallel ranks; made by train/distributed.init_distributed,
+    read by the rollout (its share of prompts) and the trainer (its share of samples, its device)."""
+    rank: int                 # global rank, 0..world_size-1
+    world_size: int           # number of data-parallel processes
+    local_rank: int           # rank within this node (selects the GPU)
+    device: torch.device      # where this rank's model lives
+    backend: str              # "nccl" | "gloo"
+
+
+@dataclass
 class Prompt:
     """One row of a prompt data set, ready for generation."""
-    row: int                     # row index in the (sliced) source file
+    row: int                     # 0-based row index in the source file, before any FILE@[a:b] slicing
     raw: Any                     # the input-key value: chat messages (list of dicts) or a string
     text: str                    # prompt text after the chat template (if any)
     token_ids: list[int]         # [P]

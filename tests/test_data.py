@@ -43,9 +43,9 @@ def test_slices(tmp_path, ext, spec, expect):
     path = _write(tmp_path, _rows(6), ext)
     rows = load_rows(f"{path}{spec}", "messages", "label")
     want = list(range(6))[expect]
-    assert [r.index for r in rows] == want
+    assert [r.row for r in rows] == want
     assert [r.label for r in rows] == [str(2 * i) for i in want]
-    assert [r.input[0]["content"] for r in rows] == [f"What is {i} + {i}?" for i in want]
+    assert [r.raw[0]["content"] for r in rows] == [f"What is {i} + {i}?" for i in want]
 
 
 def test_parse_path_spec_keeps_at_signs_in_path():

@@ -1,4 +1,5 @@
 """Loss formulas vs direct per-token Python computation; aggregation invariance."""
+import dataclasses
 import math
 import random
 import statistics
@@ -12,6 +13,11 @@ from furlong.train.batching import pack_micro_batch, token_loss_weights
 from furlong.train.losses import (KL_ESTIMATORS, LossMetrics, LossParams, kl_penalty, policy_loss,
                                   rl_loss, sft_loss, tis_weights)
 from furlong.types import TrainSample
+
+
+def _loss_params(**flags) -> LossParams:
+    """The default flags' LossParams with `flags` changed."""
+    return dataclasses.replace(LossParams.from_config(Config()), **flags)
 
 
 # ------------------------------------------------------------------ advantages
@@ -150,12 +156,12 @@ def textbook(samples, cur, ent, prm, gbs, per_token, constant_len=None):
 
 
 PARAMS = [
-    LossParams(eps_clip=0.2, eps_clip_high=0.28),
-    LossParams(eps_clip=0.1, eps_clip_high=0.3, eps_clip_c=3.0, use_kl_loss=True, kl_loss_coef=0.3,
+    _loss_params(eps_clip=0.2, eps_clip_high=0.28),
+    _loss_params(eps_clip=0.1, eps_clip_high=0.3, eps_clip_c=3.0, use_kl_loss=True, kl_loss_coef=0.3,
                kl_loss_type="k3", entropy_coef=0.01, use_tis=True, tis_clip=1.5),
-    LossParams(eps_clip=0.2, eps_clip_high=0.2, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k2"),
-    LossParams(eps_clip=3e-4, eps_clip_high=4e-4, sequence_ratio=True),                       # GSPO
-    LossParams(eps_clip=0.2, eps_clip_high=0.28, sequence_ratio=True, use_tis=True, tis_clip=2.0, tis_clip_low=0.5,
+    _loss_params(eps_clip=0.2, eps_clip_high=0.2, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k2"),
+    _loss_params(eps_clip=3e-4, eps_clip_high=4e-4, sequence_ratio=True),                       # GSPO
+    _loss_params(eps_clip=0.2, eps_clip_high=0.28, sequence_ratio=True, use_tis=True, tis_clip=2.0, tis_clip_low=0.5,
                use_kl_loss=True, kl_loss_coef=0.2, kl_loss_type="k1", use_unbiased_kl=True),
 ]
 
@@ -205,7 +211,7 @@ def test_metrics_are_weighted_means():
     weights = token_loss_weights(samples, 4, False, 0)
     mb = pack_micro_batch(samples, weights, [0, 1, 2, 3])
     lp = torch.cat(cur)
-    _, m = rl_loss(mb, lp, torch.cat(ent), LossParams())
+    _, m = rl_loss(mb, lp, torch.cat(ent), _loss_params())
     # ppo_kl: per-sample token mean of old - logp, averaged over the 4 samples.
     want = 0.0
     for s, c in zip(samples, cur):
@@ -223,7 +229,7 @@ def test_reuse_gradient_is_advantage():
     weights = token_loss_weights(samples, 3, False, 0)
     mb = pack_micro_batch(samples, weights, [0, 1, 2])
     lp = torch.cat(cur).detach().requires_grad_()
-    loss, m = rl_loss(mb, lp, None, LossParams())
+    loss, m = rl_loss(mb, lp, None, _loss_params())
     loss.backward()
     # ratio == 1 everywhere: d loss / d logp = -A * weight, and ppo_kl is exactly 0.
     torch.testing.assert_close(lp.grad, -mb.advantages * mb.loss_weight)
@@ -253,9 +259,9 @@ def test_bad_inputs_and_config():
     weights = token_loss_weights(samples, 2, False, 0)
     mb = pack_micro_batch(samples, weights, [0, 1])
     with pytest.raises(ValueError, match="--entropy-coef"):
-        rl_loss(mb, torch.cat(cur), None, LossParams(entropy_coef=0.1))
+        rl_loss(mb, torch.cat(cur), None, _loss_params(entropy_coef=0.1))
     with pytest.raises(ValueError, match="--use-kl-loss"):
-        rl_loss(mb, torch.cat(cur), None, LossParams(use_kl_loss=True))
+        rl_loss(mb, torch.cat(cur), None, _loss_params(use_kl_loss=True))
     cfg = Config()
     cfg.algo.eps_clip, cfg.algo.eps_clip_high, cfg.algo.use_tis = 0.1, 0.3, True
     prm = LossParams.from_config(cfg)

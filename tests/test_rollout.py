@@ -4,15 +4,21 @@ from __future__ import annotations
 import socket
 
 import pytest
+import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 
 from furlong.rollout.eval import run_eval
 from furlong.rollout.filters import check_reward_nonzero_std, load_filter
 from furlong.engine import Completion, EngineStats, Request
-from furlong.rollout.rollout import RankInfo, RolloutError, RolloutSpec, generate_rollout, rank_share
+from furlong.rollout.rollout import RolloutError, RolloutSpec, generate_rollout, rank_share
 from furlong.engine.sampling import SamplingParams
-from furlong.types import Group, Prompt, Sample
+from furlong.types import DistContext, Group, Prompt, Sample
+
+
+def _ranks(rank: int, world: int) -> DistContext:
+    return DistContext(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+
 
 FILTER = "miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"
 
@@ -174,7 +180,7 @@ def test_no_filter_may_cycle_a_small_dataset():
 
 def test_rank_share_is_a_contiguous_partition():
     for num in (0, 1, 5, 8):
-        parts = [rank_share(num, RankInfo(r, 3)) for r in range(3)]
+        parts = [rank_share(num, _ranks(r, 3)) for r in range(3)]
         assert [i for s in parts for i in range(num)[s]] == list(range(num))
 
 
@@ -199,11 +205,11 @@ def _summary(groups):
 def _dp_worker(rank: int, world: int, port: int, results) -> None:
     torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        dist = RankInfo(rank, world)
+        ranks = _ranks(rank, world)
         eng = FakeEngine()
-        batch = generate_rollout(FakeDataset(20), eng, scripted_reward, load_filter(FILTER), spec(4, 5), dist, 0)
+        batch = generate_rollout(FakeDataset(20), eng, scripted_reward, load_filter(FILTER), spec(4, 5), ranks, 0)
         rollout_requests = list(eng.requests)
-        ev = run_eval("toy", FakeDataset(5).prompts, eng, scripted_reward, SamplingParams(seed=1), 3, dist)
+        ev = run_eval("toy", FakeDataset(5).prompts, eng, scripted_reward, SamplingParams(seed=1), 3, ranks)
         results[rank] = (_summary(batch.groups), batch.metrics.num_dropped, batch.metrics.num_aborted,
                          rollout_requests, ev.score, [(s.prompt.row, s.index) for s in ev.samples])
     finally:

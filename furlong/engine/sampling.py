@@ -18,12 +18,9 @@ Semantics, shared exactly by the GPU kernel (kernels.py):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from furlong.config import Config
 
 MASK32 = 0xFFFFFFFF
 
@@ -55,21 +52,6 @@ class SamplingParams:
     def truncates(self) -> bool:
         """True when top-k/top-p cut the candidate set (the slower, sorting sampler path)."""
         return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1.0)
-
-    @classmethod
-    def for_rollout(cls, cfg: "Config", seed: int | None = None) -> "SamplingParams":
-        r = cfg.rollout
-        return cls(temperature=r.rollout_temperature, top_p=r.rollout_top_p, top_k=r.rollout_top_k,
-                   max_new_tokens=r.rollout_max_response_len, stop=list(r.rollout_stop),
-                   stop_token_ids=list(r.rollout_stop_token_ids), seed=seed)
-
-    @classmethod
-    def for_eval(cls, cfg: "Config", seed: int | None = None) -> "SamplingParams":
-        """Eval settings, each falling back to the rollout's (config.eval_sampling)."""
-        e = cfg.eval_sampling()
-        return cls(temperature=e["temperature"], top_p=e["top_p"], top_k=e["top_k"],
-                   max_new_tokens=e["max_new_tokens"], stop=list(cfg.rollout.rollout_stop),
-                   stop_token_ids=list(cfg.rollout.rollout_stop_token_ids), seed=seed)
 
 
 @dataclass

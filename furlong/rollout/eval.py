@@ -10,12 +10,29 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from furlong.engine.sampling import SamplingParams
 from furlong.engine.sequence import Request
-from furlong.rollout.rollout import RankInfo, derive_seed, gather_lists, rank_share, reward_groups, to_group
-from furlong.types import Prompt, Sample
+from furlong.rollout.rollout import derive_seed, gather_lists, rank_share, reward_groups, to_group
+from furlong.types import DistContext, Prompt, Sample
+
+if TYPE_CHECKING:
+    from furlong.config import Config
+
+
+@dataclass
+class EvalSpec:
+    sampling: SamplingParams         # eval settings, each falling back to the rollout's; seed --rollout-seed
+    n_samples_per_prompt: int        # --n-samples-per-eval-prompt
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> EvalSpec:
+        e = cfg.eval_sampling()
+        sampling = SamplingParams(temperature=e["temperature"], top_p=e["top_p"], top_k=e["top_k"],
+                                  max_new_tokens=e["max_new_tokens"], stop=list(cfg.rollout.rollout_stop),
+                                  stop_token_ids=list(cfg.rollout.rollout_stop_token_ids), seed=cfg.data.rollout_seed)
+        return cls(sampling=sampling, n_samples_per_prompt=cfg.eval.n_samples_per_eval_prompt)
 
 
 @dataclass
@@ -27,20 +44,20 @@ class EvalResult:
 
 
 def run_eval(name: str, prompts: list[Prompt], engine: Any, reward_fn: Callable[[Sample], Any],
-             params: SamplingParams, n_samples: int, dist: RankInfo | None) -> EvalResult:
+             params: SamplingParams, n_samples: int, ranks: DistContext | None) -> EvalResult:
     if n_samples < 1:
         raise ValueError(f"--n-samples-per-eval-prompt: must be >= 1, got {n_samples}")
     if not prompts:
         raise ValueError(f"--eval-prompt-data: eval set {name!r} has no prompts")
     base = params.seed if params.seed is not None else random.getrandbits(63)
-    mine = rank_share(len(prompts), dist)
+    mine = rank_share(len(prompts), ranks)
     ids = list(range(mine.start, mine.stop))
     requests = [Request(request_id=engine.new_request_id(), prompt_ids=prompts[i].token_ids, params=params,
                         n=n_samples, seed=derive_seed(base, i)) for i in ids]
     outs = engine.generate(requests)
     groups = [to_group(prompts[i], i, comps) for i, comps in zip(ids, outs)]
     reward_groups(groups, reward_fn)
-    groups = gather_lists(groups, dist)
+    groups = gather_lists(groups, ranks)
     samples = [s for g in groups for s in g.samples]
     return EvalResult(name=name, score=sum(s.reward for s in samples) / len(samples),
                       num_samples=len(samples), samples=samples)

@@ -14,7 +14,7 @@ rollout_batch_size) and nothing is left in flight with too few groups kept,
 RolloutError is raised rather than looping forever (typically every group got
 the same reward).
 
-Data-parallel (`RankInfo`): every rank holds the same seeded dataset, so every
+Data-parallel (`DistContext`): every rank holds the same seeded dataset, so every
 rank draws the same prompts; rank r submits the r-th contiguous share of each
 batch to its own engine. After each engine step all ranks exchange the groups
 that finished (all_gather_object, rank order), so every rank filters the same
@@ -36,7 +36,7 @@ from furlong.engine.sampling import SamplingParams
 from furlong.engine.sequence import Completion, Request
 from furlong.rewards.registry import compute_rewards
 from furlong.rollout.filters import GroupFilter
-from furlong.types import Group, Prompt, Sample
+from furlong.types import DistContext, Group, Prompt, Sample
 
 if TYPE_CHECKING:
     from furlong.config import Config
@@ -44,12 +44,6 @@ if TYPE_CHECKING:
 
 class RolloutError(RuntimeError):
     """The rollout cannot produce the groups it was asked for."""
-
-
-@dataclass
-class RankInfo:
-    rank: int          # this process, 0..world_size-1
-    world_size: int    # data-parallel ranks sharing the rollout
 
 
 @dataclass
@@ -61,11 +55,14 @@ class RolloutSpec:
     seed: int                        # --rollout-seed
 
     @classmethod
-    def from_config(cls, cfg: "Config") -> "RolloutSpec":
-        return cls(rollout_batch_size=cfg.rollout.rollout_batch_size,
-                   n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
-                   over_sampling_batch_size=cfg.over_sampling_batch_size,
-                   sampling=SamplingParams.for_rollout(cfg), seed=cfg.data.rollout_seed)
+    def from_config(cls, cfg: Config) -> RolloutSpec:
+        r = cfg.rollout
+        sampling = SamplingParams(temperature=r.rollout_temperature, top_p=r.rollout_top_p, top_k=r.rollout_top_k,
+                                  max_new_tokens=r.rollout_max_response_len, stop=list(r.rollout_stop),
+                                  stop_token_ids=list(r.rollout_stop_token_ids))
+        return cls(rollout_batch_size=r.rollout_batch_size, n_samples_per_prompt=r.n_samples_per_prompt,
+                   over_sampling_batch_size=cfg.over_sampling_batch_size, sampling=sampling,
+                   seed=cfg.data.rollout_seed)
 
 
 @dataclass
@@ -116,20 +113,20 @@ def derive_seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(2, np.uint64)[0] >> 1)
 
 
-def rank_share(num: int, dist: RankInfo | None) -> slice:
+def rank_share(num: int, ranks: DistContext | None) -> slice:
     """The contiguous slice of `num` items this rank handles (first ranks take the remainder)."""
-    if dist is None or dist.world_size == 1:
+    if ranks is None or ranks.world_size == 1:
         return slice(0, num)
-    base, extra = divmod(num, dist.world_size)
-    start = dist.rank * base + min(dist.rank, extra)
-    return slice(start, start + base + (1 if dist.rank < extra else 0))
+    base, extra = divmod(num, ranks.world_size)
+    start = ranks.rank * base + min(ranks.rank, extra)
+    return slice(start, start + base + (1 if ranks.rank < extra else 0))
 
 
-def gather_lists(items: list[Any], dist: RankInfo | None) -> list[Any]:
+def gather_lists(items: list[Any], ranks: DistContext | None) -> list[Any]:
     """Concatenation, in rank order, of every rank's `items` (identity on one rank)."""
-    if dist is None or dist.world_size == 1:
+    if ranks is None or ranks.world_size == 1:
         return items
-    parts: list[Any] = [None] * dist.world_size
+    parts: list[Any] = [None] * ranks.world_size
     torch.distributed.all_gather_object(parts, items)
     return [x for part in parts for x in part]
 
@@ -165,7 +162,7 @@ class _Submitted:
 
 
 def generate_rollout(dataset: Any, engine: Any, reward_fn: Callable[[Sample], Any],
-                     filter_fn: GroupFilter | None, spec: RolloutSpec, dist: RankInfo | None,
+                     filter_fn: GroupFilter | None, spec: RolloutSpec, ranks: DistContext | None,
                      rollout_id: int) -> RolloutBatch:
     """Generate, reward and filter until `rollout_batch_size` groups are kept (module docstring)."""
     started = time.perf_counter()
@@ -179,7 +176,7 @@ def generate_rollout(dataset: Any, engine: Any, reward_fn: Callable[[Sample], An
     while len(kept) < target:
         while len(kept) + in_flight < target and consumed < limit:
             prompts = dataset.next_batch(per_batch)
-            share = rank_share(len(prompts), dist)
+            share = rank_share(len(prompts), ranks)
             for i in range(share.start, share.stop):
                 gid = consumed + i
                 rid = engine.new_request_id()
@@ -194,7 +191,7 @@ def generate_rollout(dataset: Any, engine: Any, reward_fn: Callable[[Sample], An
                 f"prompts (data set has {len(dataset)}); rewards may all be equal (e.g. all 0)")
         finished = mine.collect(engine.step() if engine.has_work() else [], n)
         reward_groups(finished, reward_fn)
-        finished = gather_lists(finished, dist)
+        finished = gather_lists(finished, ranks)
         in_flight -= len(finished)
         num_finished += len(finished)
         for g in finished:
@@ -208,7 +205,7 @@ def generate_rollout(dataset: Any, engine: Any, reward_fn: Callable[[Sample], An
                 kept.append(g)
     num_aborted = in_flight + num_late
     aborted = engine.abort(set(mine.requests))
-    num_tokens += sum(gather_lists([len(c.token_ids) for c in aborted], dist))
+    num_tokens += sum(gather_lists([len(c.token_ids) for c in aborted], ranks))
     stats = engine.reset_stats()
     metrics = _summarize(kept, dict(dropped), num_aborted, num_finished, num_tokens,
                          time.perf_counter() - started, stats)

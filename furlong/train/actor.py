@@ -40,14 +40,14 @@ from torch.distributed.fsdp import register_fsdp_forward_method
 from furlong.config import Config
 from furlong.train.batching import (move_micro_batch, num_loss_tokens, pack_micro_batch, padding_micro_batch,
                                     response_positions, response_slices, token_loss_weights)
-from furlong.train.planning import fixed_micro_batches, plan_micro_batches, split_across_ranks
-from furlong.train.distributed import DistContext, all_gather_flat
+from furlong.train.planning import optimizer_step_chunks, rank_micro_batches
+from furlong.train.distributed import all_gather_flat
 from furlong.train.fsdp import compile_enabled, compile_layers, compute_dtype, shard_model
 from furlong.train.logprobs import chunked_log_probs
 from furlong.train.losses import LossMetrics, LossParams, rl_loss, sft_loss
 from furlong.train.train_metrics import StepResult, TrainMetrics
 from furlong.train.optimizer import build_lr_scheduler, build_optimizer
-from furlong.types import MicroBatch, TrainSample
+from furlong.types import DistContext, MicroBatch, TrainSample
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,8 @@ class Actor:
             kept = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
             total_steps = max(cfg.rollout.num_rollout, 1) * self.num_optimizer_steps(kept)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, total_steps)
-        # None under --max-tokens-per-gpu auto until the caller sets memory_probe.probe_max_tokens(actor)
+        # under --max-tokens-per-gpu auto: the caller's stand-in budget (run set-up passes CPU_DEFAULT_TOKENS,
+        # which the probe's trial steps need) until it sets memory_probe.probe_max_tokens(actor); None without one
         self.max_tokens_per_gpu = max_tokens_per_gpu if max_tokens_per_gpu is not None else cfg.max_tokens_per_gpu
 
     def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -120,16 +121,6 @@ class Actor:
             return 1
         return max(num_samples // b.global_batch_size, 1)
 
-    def _step_chunks(self, num_samples: int) -> list[list[int]]:
-        n = self.num_optimizer_steps(num_samples)
-        b = self.cfg.batch
-        if b.num_steps_per_rollout is not None and num_samples % n != 0:
-            raise ValueError(f"--num-steps-per-rollout: {num_samples} samples do not split into {n} equal steps")
-        if b.num_steps_per_rollout is None and b.global_batch_size is not None and num_samples % b.global_batch_size:
-            raise ValueError(f"--global-batch-size: {num_samples} samples are not a multiple of {b.global_batch_size}")
-        size = num_samples // n
-        return [list(range(k * size, (k + 1) * size)) for k in range(n)]
-
     def reuses_old_log_probs(self, num_samples: int) -> bool:
         """True when train_step takes old log-probs from its own forward (no separate pass needed)."""
         one_step = self.num_optimizer_steps(num_samples) == 1
@@ -140,18 +131,12 @@ class Actor:
 
     def _plan_ranks(self, lengths: list[int]) -> tuple[list[list[int]], list[list[list[int]]]]:
         """Rank split and, per rank, micro-batches as indices into `lengths` (same on every rank)."""
-        split = split_across_ranks(lengths, self.ctx.world_size)
-        plans = []
-        for idx in split:
-            if self.cfg.batch.use_dynamic_batch_size:
-                if self.max_tokens_per_gpu is None:
-                    raise ValueError("--max-tokens-per-gpu: auto budget not probed yet "
-                                     "(set actor.max_tokens_per_gpu = memory_probe.probe_max_tokens(actor))")
-                local = plan_micro_batches([lengths[i] for i in idx], self.max_tokens_per_gpu)
-            else:
-                local = fixed_micro_batches(list(range(len(idx))), self.cfg.batch.micro_batch_size)
-            plans.append([[idx[j] for j in mb] for mb in local])
-        return split, plans
+        b = self.cfg.batch
+        if b.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
+            raise ValueError("--max-tokens-per-gpu: auto budget not probed yet "
+                             "(set actor.max_tokens_per_gpu = memory_probe.probe_max_tokens(actor))")
+        return rank_micro_batches(lengths, self.ctx.world_size,
+                                  self.max_tokens_per_gpu if b.use_dynamic_batch_size else None, b.micro_batch_size)
 
     # ------------------------------------------------------------------ forward
 
@@ -216,7 +201,8 @@ class Actor:
         if not samples:
             raise ValueError("train_step: no samples")
         t0 = time.perf_counter()
-        chunks = self._step_chunks(len(samples))
+        b = self.cfg.batch
+        chunks = optimizer_step_chunks(len(samples), b.global_batch_size, b.num_steps_per_rollout)
         reuse = self.reuses_old_log_probs(len(samples))
         if not reuse and any(s.old_log_probs is None for s in samples):
             old = self.compute_log_probs(samples, "old")

@@ -30,13 +30,13 @@ from furlong.config import Config, OptimConfig
 from furlong.models.value_model import ValueModel
 from furlong.train.batching import (move_micro_batch, pack_micro_batch, padding_micro_batch, response_slices,
                                     step_loss_weights)
-from furlong.train.distributed import DistContext, all_gather_flat
+from furlong.train.distributed import all_gather_flat
 from furlong.train.fsdp import compile_enabled, compile_layers, compute_dtype, shard_model
 from furlong.train.optimizer import build_lr_scheduler, build_optimizer
 from furlong.train.planning import optimizer_step_chunks, rank_micro_batches
 from furlong.train.train_metrics import CriticMetrics
 from furlong.train.value_loss import ValueLossMetrics, explained_variance, value_loss
-from furlong.types import MicroBatch, TrainSample
+from furlong.types import DistContext, MicroBatch, TrainSample
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ def check_critic_inputs(cfg: Config, vocab_size: int, resume_iteration: int | No
     the HF checkpoint it starts from (returned), which must share the actor's vocabulary since it
     reads the actor's token ids; on resume, its checkpoint of the actor's iteration; --critic-save."""
     from furlong.models.hf_config import ModelArgs
-    from furlong.run_setup import check_checkpoint_dir, check_writable
+    from furlong.preflight import check_checkpoint_dir, check_writable
     from furlong.train.critic_checkpoint import check_critic_resume, critic_save_dir
     path = check_checkpoint_dir(cfg.data.hf_checkpoint)
     if cfg.algo.critic_hf_checkpoint is not None:

@@ -29,20 +29,12 @@ import signal
 import socket
 import sys
 import traceback
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-
-@dataclass
-class DistContext:
-    rank: int                 # global rank, 0..world_size-1
-    world_size: int           # number of data-parallel processes
-    local_rank: int           # rank within this node (selects the GPU)
-    device: torch.device      # where this rank's model lives
-    backend: str              # "nccl" | "gloo"
+from furlong.types import DistContext
 
 
 def _resolve_device_type(device_pref: str) -> str:

@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from furlong.train.distributed import DistContext
+from furlong.types import DistContext
 
 
 def compute_dtype(device: torch.device, dtype_flag: str = "auto") -> torch.dtype:

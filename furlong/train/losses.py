@@ -30,11 +30,14 @@ the trainer can reduce them with one collective and sync once per step.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from furlong.types import MicroBatch
+
+if TYPE_CHECKING:
+    from furlong.config import Config
 
 # log-ratio clamp before exp(): keeps ratios finite for wildly off-policy tokens (as miles).
 LOG_RATIO_CLAMP = 20.0
@@ -121,23 +124,23 @@ def sequence_mean_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, cu_seql
 
 @dataclass
 class LossParams:
-    """Loss hyper-parameters (the --eps-clip ... --tis-clip flags)."""
-    eps_clip: float = 0.2
-    eps_clip_high: float = 0.2
-    eps_clip_c: float | None = None
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.0
-    kl_loss_type: str = "k1"
-    entropy_coef: float = 0.0
-    use_tis: bool = False
-    tis_clip: float = 2.0
-    tis_clip_low: float = 0.0
-    use_unbiased_kl: bool = False
-    sequence_ratio: bool = False         # GSPO
+    """Loss hyper-parameters (the --eps-clip ... --tis-clip flags); no defaults here: config.AlgoConfig
+    holds them, and `from_config` is the one way from the flags to these."""
+    eps_clip: float
+    eps_clip_high: float
+    eps_clip_c: float | None             # dual clip (None: off)
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_loss_type: str
+    entropy_coef: float
+    use_tis: bool
+    tis_clip: float
+    tis_clip_low: float
+    use_unbiased_kl: bool
+    sequence_ratio: bool                 # GSPO
 
     @classmethod
-    def from_config(cls, cfg) -> "LossParams":
-        """From a furlong.config.Config."""
+    def from_config(cls, cfg: Config) -> LossParams:
         a = cfg.algo
         return cls(eps_clip=a.eps_clip, eps_clip_high=cfg.eps_clip_high, eps_clip_c=a.eps_clip_c,
                    use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,

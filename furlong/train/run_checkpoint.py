@@ -1,0 +1,36 @@
+"""A training run's checkpoint: the critic (ppo), then the actor with the prompt sampler's position.
+
+One save and one resume for the loop and run set-up, so the order rule lives in one place: the
+critic's iter_N is written BEFORE the actor's, so a complete actor iter_N implies the critic's
+(critic_checkpoint.py says why); on resume both load the actor's chosen iteration.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from furlong.config import Config
+from furlong.train.checkpoint import ResumeState, load_checkpoint, save_checkpoint
+from furlong.train.critic_checkpoint import load_critic, save_critic
+
+if TYPE_CHECKING:
+    from furlong.data import PromptDataset
+    from furlong.train.actor import Actor
+    from furlong.train.critic import Critic
+
+
+def save_run(cfg: Config, actor: Actor, critic: Critic | None, dataset: PromptDataset, rollout_id: int) -> Path:
+    """Save after `rollout_id` into --save (every rank calls); returns the actor's iter_* directory."""
+    if critic is not None:
+        save_critic(cfg, critic, rollout_id)
+    return save_checkpoint(cfg.ckpt.save, actor, rollout_id, sampler_state=dataset.state_dict())
+
+
+def load_run(cfg: Config, actor: Actor, critic: Critic | None, dataset: PromptDataset,
+             iteration: int) -> ResumeState:
+    """Restore iteration `iteration` of --load (checked by run set-up) into actor, critic and dataset."""
+    state = load_checkpoint(cfg.ckpt.load, actor, iteration)
+    if critic is not None:
+        load_critic(cfg, critic, iteration)
+    dataset.load_state_dict(state.sampler_state)
+    return state
