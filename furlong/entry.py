@@ -17,9 +17,12 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from furlong.config import Config
+
+if TYPE_CHECKING:   # furlong.types imports torch, which `furlong --help` need not load
+    from furlong.types import DistContext
 
 EXIT_BAD_INPUT = 2
 EXIT_RUN_FAILED = 1
@@ -61,26 +64,26 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _run_train(cfg: Config, ctx: Any) -> int:
+def _run_train(cfg: Config, ctx: DistContext) -> int:
     from furlong.loop import run_rl
     return run_rl(cfg, ctx)
 
 
-def _run_sft(cfg: Config, ctx: Any) -> int:
+def _run_sft(cfg: Config, ctx: DistContext) -> int:
     from furlong.sft import run_sft
     return run_sft(cfg, ctx)
 
 
-def _run_eval(cfg: Config, ctx: Any) -> int:
+def _run_eval(cfg: Config, ctx: DistContext) -> int:
     from furlong.loop import run_eval_only
     return run_eval_only(cfg, ctx)
 
 
 # command -> what every rank runs, given the Config and its DistContext (docs/design.md §4)
-RUNS: dict[str, Callable[[Config, Any], int]] = {"train": _run_train, "sft": _run_sft, "eval": _run_eval}
+RUNS: dict[str, Callable[[Config, DistContext], int]] = {"train": _run_train, "sft": _run_sft, "eval": _run_eval}
 
 
-def _worker(run: Callable[[Config, Any], int], cfg: Config) -> int:
+def _worker(run: Callable[[Config, DistContext], int], cfg: Config) -> int:
     """One rank: join (or form) the process group, run, leave. Errors propagate to the caller:
     cli.main in this process, or launch_local's worker wrapper in a spawned one."""
     from furlong.train.distributed import destroy_distributed, init_distributed

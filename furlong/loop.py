@@ -163,8 +163,7 @@ def _rollouts(parts: RunParts, ci: "CiChecker", progress: Progress, stop: StopRe
                 sync_weights(actor.model, parts.engine.model, cfg.batch.update_weight_buffer_size)
             metrics.update(tm.to_log())
         if cfg.log.save_debug_rollout_data and ctx.rank == 0:
-            write_samples(parts.output_dir, "train", rollout_id,
-                               [s for g in batch.groups for s in g.samples], prefix="rollout")
+            write_samples(parts.output_dir, "train", rollout_id, batch.samples, prefix="rollout")
         if eval_every is not None and parts.eval_sets and (rollout_id + 1) % eval_every == 0:
             with clock("perf/eval_time"):
                 m = _run_evals(parts, rollout_id)

@@ -17,7 +17,7 @@ import torch
 
 from furlong.config import Config
 from furlong.metrics import MetricsLogger, Progress, format_duration
-from furlong.types import TrainSample
+from furlong.types import DistContext, TrainSample
 
 
 def sft_samples(path_spec: str, tokenizer, input_key: str, max_len: int) -> list[TrainSample]:
@@ -58,7 +58,7 @@ def save_hf_checkpoint(model: torch.nn.Module, src_ckpt: Path, out_dir: str, ran
         save_hf(sd, ModelArgs.from_dir(src_ckpt), out_dir, tokenizer_src=src_ckpt)
 
 
-def run_sft(cfg: Config, ctx) -> int:
+def run_sft(cfg: Config, ctx: DistContext) -> int:
     from furlong.models.hf_io import load_pretrained
     from furlong.preflight import check_hf_checkpoint
     from furlong.train.actor import Actor

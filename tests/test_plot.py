@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from furlong.cli import main
 from furlong.plot import read_metrics
 
