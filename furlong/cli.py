@@ -10,7 +10,8 @@ import dataclasses
 import sys
 from typing import Any, Callable, Sequence
 
-from furlong.config import Config, sglang_flags_set, validate
+from furlong.config import Config
+from furlong.config_checks import sglang_flags_set, validate
 
 EXIT_USAGE = 2
 

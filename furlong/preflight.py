@@ -3,7 +3,7 @@
 The "nothing written half-way" rule: config.json, safetensors headers, tokenizer, stop token ids,
 data files, reward and filter paths, the --load checkpoint and the writable output dirs are all
 checked here, before run_setup.build_run loads a model or creates the output directory; flag
-values were checked before that by config.validate. Every failure is a ValueError naming its flag.
+values were checked before that by config_checks.validate. Every failure is a ValueError naming its flag.
 """
 from __future__ import annotations
 

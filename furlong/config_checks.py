@@ -1,0 +1,139 @@
+"""Flag checks of `furlong train/sft/eval`: values and combinations, before any input is read.
+
+`validate` raises ValueError('--flag: why'), which the CLI prints as one line and exits 2 (the flags
+themselves are config.py's dataclasses; inputs such as files are checked later by preflight.py).
+`sglang_flags_set` lists the SGLang-only flags given, which are accepted and reported as not applying.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from furlong.config import Config, RolloutConfig
+
+
+def sglang_flags_set(cfg: Config) -> list[str]:
+    """Flags given that only tune SGLang (reported once as not applying)."""
+    out = []
+    for f in dataclasses.fields(RolloutConfig):
+        if f.metadata.get("sglang") and getattr(cfg.rollout, f.name) not in (None, False):
+            out.append("--" + f.name.replace("_", "-"))
+    return out
+
+
+def _need(cond: bool, flag_name: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{flag_name}: {msg}")
+
+
+def validate(cfg: Config, command: str = "train") -> None:
+    """Check flag values and combinations; raise ValueError('--flag: why')."""
+    d, r, a, o, b, p, e = cfg.data, cfg.rollout, cfg.algo, cfg.optim, cfg.batch, cfg.parallel, cfg.eval
+    if command in ("train", "sft", "eval"):
+        _need(d.hf_checkpoint is not None, "--hf-checkpoint", "required")
+    if command in ("train", "sft"):
+        _need(d.prompt_data is not None, "--prompt-data", "required")
+    if command == "train":
+        _need(cfg.reward.rm_type is not None or cfg.reward.custom_rm_path is not None,
+              "--rm-type", "give --rm-type or --custom-rm-path")
+    _need(cfg.reward.reward_timeout > 0, "--reward-timeout", "must be > 0 seconds")
+    _need(r.num_rollout >= 0, "--num-rollout", "must be >= 0")
+    _need(r.rollout_batch_size >= 1, "--rollout-batch-size", "must be >= 1")
+    _need(r.n_samples_per_prompt >= 1, "--n-samples-per-prompt", "must be >= 1")
+    _need(r.rollout_max_response_len >= 1, "--rollout-max-response-len", "must be >= 1")
+    _need(r.rollout_temperature > 0 if command == "train" else r.rollout_temperature >= 0, "--rollout-temperature",
+          "must be > 0 to train (log-probs divide by it)" if command == "train" else "must be >= 0")
+    _need(0 < r.rollout_top_p <= 1, "--rollout-top-p", "must be in (0, 1]")
+    _need(r.rollout_top_k == -1 or r.rollout_top_k >= 1, "--rollout-top-k", "must be -1 (off) or >= 1")
+    _need(cfg.over_sampling_batch_size >= 1, "--over-sampling-batch-size", "must be >= 1")
+    num_gpus = p.actor_num_nodes * p.actor_num_gpus_per_node
+    _need(r.rollout_num_gpus is None or r.rollout_num_gpus == num_gpus, "--rollout-num-gpus",
+          f"the built-in engine is colocated: it runs on the actor's {num_gpus} GPU(s)")
+    _need(0 < r.rollout_kv_fraction < 1, "--rollout-kv-fraction", "must be in (0, 1)")
+    _need(r.rollout_max_num_seqs >= 1, "--rollout-max-num-seqs", "must be >= 1")
+    _need(1 <= r.rollout_decode_window <= 64, "--rollout-decode-window", "must be in [1, 64]")
+    _need(len(e.eval_prompt_data) % 2 == 0, "--eval-prompt-data", "expects pairs: name path [name path ...]")
+    _need(e.eval_interval is None or e.eval_interval >= 1, "--eval-interval", "must be >= 1")
+    _need(e.n_samples_per_eval_prompt >= 1, "--n-samples-per-eval-prompt", "must be >= 1")
+    _need(e.eval_interval is None or bool(e.eval_prompt_data), "--eval-interval", "needs --eval-prompt-data")
+    es = cfg.eval_sampling()   # the rollout's values are valid here, so a failure is the eval flag's own
+    _need(es["temperature"] >= 0, "--eval-temperature", "must be >= 0")
+    _need(0 < es["top_p"] <= 1, "--eval-top-p", "must be in (0, 1]")
+    _need(es["top_k"] == -1 or es["top_k"] >= 1, "--eval-top-k", "must be -1 (off) or >= 1")
+    _need(es["max_new_tokens"] >= 1, "--eval-max-response-len", "must be >= 1")
+    estimators = ("grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+    _need(a.advantage_estimator in estimators, "--advantage-estimator",
+          f"unknown estimator {a.advantage_estimator!r} ({', '.join(estimators)})")
+    _need(a.loss_agg_mode in ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"), "--loss-agg-mode",
+          f"unknown mode {a.loss_agg_mode!r} (seq-mean-token-mean, token-mean, seq-mean-token-sum-norm)")
+    _need(not (a.calculate_per_token_loss and a.loss_agg_mode not in ("seq-mean-token-mean", "token-mean")),
+          "--calculate-per-token-loss", f"means --loss-agg-mode token-mean, not {a.loss_agg_mode}")
+    _need(a.overlong_buffer_len is None or 1 <= a.overlong_buffer_len < r.rollout_max_response_len,
+          "--overlong-buffer-len", f"must be in [1, --rollout-max-response-len={r.rollout_max_response_len})")
+    _need(a.overlong_penalty_factor >= 0, "--overlong-penalty-factor", "must be >= 0")
+    _need(0 <= a.gamma <= 1, "--gamma", "must be in [0, 1]")
+    _need(0 <= a.lambd <= 1, "--lambd", "must be in [0, 1]")
+    _need(a.kl_coef >= 0, "--kl-coef", "must be >= 0")
+    _need(a.kl_coef == 0 or a.advantage_estimator.startswith("reinforce_plus_plus"), "--kl-coef",
+          f"the reward KL penalty applies to reinforce_plus_plus*, not {a.advantage_estimator} "
+          "(use --use-kl-loss --kl-loss-coef)")
+    _need(0 <= a.tis_clip_low <= a.tis_clip, "--tis-clip-low", "must be in [0, --tis-clip]")
+    _need(a.value_clip > 0, "--value-clip", "must be > 0")
+    _need(a.critic_lr is None or a.critic_lr >= 0, "--critic-lr", "must be >= 0")
+    _need(a.critic_lr_warmup_iters >= 0, "--critic-lr-warmup-iters", "must be >= 0")
+    _need(a.num_critic_only_steps >= 0, "--num-critic-only-steps", "must be >= 0")
+    _need(a.advantage_estimator == "ppo" or a.num_critic_only_steps == 0, "--num-critic-only-steps",
+          "needs --advantage-estimator ppo (no critic otherwise)")
+    _need(a.critic_load is None or cfg.ckpt.load is not None, "--critic-load", "needs --load (the critic resumes with the actor)")
+    _need(a.kl_loss_type in ("k1", "k2", "k3", "low_var_kl"), "--kl-loss-type",
+          f"unknown type {a.kl_loss_type!r} (k1, k2, k3, low_var_kl)")
+    _need(not (a.kl_coef != 0 and a.kl_loss_coef != 0), "--kl-coef",
+          "cannot be combined with a non-zero --kl-loss-coef (reward penalty and KL loss both on)")
+    _need(a.eps_clip > 0, "--eps-clip", "must be > 0")
+    _need(a.eps_clip_c is None or a.eps_clip_c > 1, "--eps-clip-c", "must be > 1")
+    _need(a.tis_clip > 0, "--tis-clip", "must be > 0")
+    _need(o.optimizer == "adam", "--optimizer", f"unknown optimizer {o.optimizer!r} (adam)")
+    _need(o.lr_decay_style in ("constant", "linear", "cosine"), "--lr-decay-style",
+          f"unknown style {o.lr_decay_style!r} (constant, linear, cosine)")
+    _need(o.lr >= 0, "--lr", "must be >= 0")
+    _need(o.clip_grad >= 0, "--clip-grad", "must be >= 0")
+    _need(b.micro_batch_size >= 1, "--micro-batch-size", "must be >= 1")
+    _need(b.global_batch_size is None or b.global_batch_size >= 1, "--global-batch-size", "must be >= 1")
+    _need(b.num_steps_per_rollout is None or b.num_steps_per_rollout >= 1, "--num-steps-per-rollout", "must be >= 1")
+    if b.max_tokens_per_gpu is not None and b.max_tokens_per_gpu != "auto":
+        try:
+            ok = int(b.max_tokens_per_gpu) >= 1
+        except ValueError:
+            ok = False
+        _need(ok, "--max-tokens-per-gpu", f"expected a positive integer or 'auto', got {b.max_tokens_per_gpu!r}")
+    _need(not b.use_dynamic_batch_size or b.max_tokens_per_gpu is not None, "--use-dynamic-batch-size",
+          "needs --max-tokens-per-gpu")
+    _need(b.update_weight_buffer_size >= 1024, "--update-weight-buffer-size", "must be >= 1024 bytes")
+    _need(p.train_backend == "fsdp", "--train-backend", f"unknown backend {p.train_backend!r} (fsdp)")
+    _need(p.actor_num_gpus_per_node >= 1, "--actor-num-gpus-per-node", "must be >= 1")
+    _need(p.actor_num_nodes >= 1, "--actor-num-nodes", "must be >= 1")
+    _need(p.device in ("auto", "cpu", "cuda"), "--device", f"unknown device {p.device!r}")
+    _need(p.dtype in ("auto", "bf16", "fp32"), "--dtype", f"unknown dtype {p.dtype!r}")
+    _need(p.torch_compile in ("auto", "on", "off"), "--torch-compile", f"expected auto, on or off, got {p.torch_compile!r}")
+    _need(cfg.ckpt.save_interval is None or cfg.ckpt.save is not None, "--save-interval", "needs --save")
+    _need(cfg.ckpt.ckpt_step is None or cfg.ckpt.load is not None, "--ckpt-step", "needs --load")
+    _need(cfg.ckpt.ckpt_step is None or cfg.ckpt.ckpt_step >= 1, "--ckpt-step", "must be >= 1")
+    if command == "train":
+        _need(r.num_rollout >= 1 or bool(e.eval_prompt_data), "--num-rollout",
+              "0 trains nothing (give --eval-prompt-data for an eval-only run)")
+        kept = r.rollout_batch_size * r.n_samples_per_prompt   # the rollout keeps exactly this many samples
+        _need(b.num_steps_per_rollout is not None or b.global_batch_size is None or kept % b.global_batch_size == 0,
+              "--global-batch-size", f"{b.global_batch_size} does not divide the {kept} samples of a rollout "
+              "(--rollout-batch-size x --n-samples-per-prompt)")
+        _need(b.num_steps_per_rollout is None or kept % b.num_steps_per_rollout == 0, "--num-steps-per-rollout",
+              f"{b.num_steps_per_rollout} does not divide the {kept} samples of a rollout")
+    if cfg.log.use_tensorboard:
+        import importlib.util
+        _need(importlib.util.find_spec("tensorboard") is not None, "--use-tensorboard",
+              "the tensorboard package is not installed")
+    if cfg.log.use_wandb:
+        import importlib.util
+        _need(importlib.util.find_spec("wandb") is not None, "--use-wandb", "the wandb package is not installed")
+    if cfg.log.ci_test:
+        _need(cfg.log.ci_metric_checker_key is not None, "--ci-metric-checker-key", "required with --ci-test")
+        _need(cfg.log.ci_metric_checker_threshold is not None, "--ci-metric-checker-threshold", "required with --ci-test")
+    _need(cfg.sft.num_epoch >= 1, "--num-epoch", "must be >= 1")
