@@ -18,6 +18,7 @@ import torch
 from furlong.config import Config
 from furlong.metrics import MetricsLogger
 from furlong.preflight import check_inputs
+from furlong.train.distributed import barrier
 from furlong.train.fsdp import compute_dtype
 from furlong.types import DistContext, Prompt, Sample
 
@@ -107,7 +108,9 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool) -> RunParts:
             if ctx.rank == 0:
                 print(f"--max-tokens-per-gpu auto: chose {actor.max_tokens_per_gpu} tokens", flush=True)
 
-    # 3. outputs (rank 0 writes)
+    # 3. outputs (rank 0 writes), once every rank has passed step 1: a slow rank's check of --output-dir
+    # must not find the metrics.jsonl that rank 0's logger has just opened
+    barrier()
     logger_enabled = ctx.rank == 0
     if logger_enabled:
         out.mkdir(parents=True, exist_ok=True)
