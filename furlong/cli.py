@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from furlong.config import Config
@@ -155,6 +156,7 @@ def _run(argv: list[str]) -> int:
         from furlong.entry import COMMANDS
         return COMMANDS[command](cfg)
     args = _build_parser().parse_args(argv)
+    _check_output(args)
     if args.command == "prepare":
         if args.task == "gsm8k":
             from furlong.tasks.gsm8k import prepare_gsm8k
@@ -187,6 +189,16 @@ def _run(argv: list[str]) -> int:
         print(f"export: wrote {args.output}")
         return 0
     raise UsageError(f"furlong: unknown command {args.command!r}")
+
+
+def _check_output(args: argparse.Namespace) -> None:
+    """--output of prepare/export (a directory) and score (a file) must be writable before any work
+    starts, and the error names the flag."""
+    from furlong.preflight import check_writable
+    target = getattr(args, "output", None)
+    if target is None or args.command not in ("prepare", "export", "score"):
+        return
+    check_writable(Path(target).parent if args.command == "score" else target, "--output")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

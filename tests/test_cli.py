@@ -335,3 +335,17 @@ def test_bad_config_json_is_one_line_naming_the_key(assets, tmp_path, capsys, ed
     assert code == 2
     assert_one_line(err, *needles)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["prepare", "synthetic", "--output", "{f}/sub"],
+    ["score", "--input", "{f}.jsonl", "--output", "{f}/scores.jsonl"],
+    ["export", "--load", "{f}.ck", "--output", "{f}/hf", "--hf-checkpoint", "{f}.hf"],
+])
+def test_output_of_prepare_score_export_checked_first(tmp_path, capsys, argv):
+    """--output under a regular file: one line naming --output, exit 2, before any work."""
+    f = tmp_path / "afile"
+    f.write_text("x")
+    assert main([a.format(f=f) for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("furlong: error: --output:") and len(err.splitlines()) == 1, err
