@@ -27,19 +27,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import logging
 import math
 import time
 import warnings
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import register_fsdp_forward_method
 
 from furlong.config import Config
 from furlong.train.batching import (move_micro_batch, num_loss_tokens, pack_micro_batch, padding_micro_batch,
                                     response_positions, response_slices, token_loss_weights)
+from furlong.train.optimizer_step import finish_step
 from furlong.train.planning import optimizer_step_chunks, rank_micro_batches
 from furlong.train.distributed import all_gather_flat
 from furlong.train.fsdp import compile_enabled, compile_layers, compute_dtype, shard_model
@@ -49,7 +48,6 @@ from furlong.train.train_metrics import StepResult, TrainMetrics
 from furlong.train.optimizer import build_lr_scheduler, build_optimizer
 from furlong.types import DistContext, MicroBatch, TrainSample
 
-log = logging.getLogger(__name__)
 
 LOGPROB_CHUNK = 4096  # positions per logits chunk: [4096, V] fp32 is ~2.4 GB at V = 152k
 
@@ -255,27 +253,11 @@ class Actor:
             loss, metrics = self.loss_fn(mb, logp, ent, self.loss_params)
             loss.backward()
             total = total + metrics
-        max_norm = cfg.optim.clip_grad if cfg.optim.clip_grad > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        stacked = total.stacked()
-        if ctx.world_size > 1:
-            dist.all_reduce(stacked)
-        # The one host sync of the step: metrics are needed on the host for logging, and a
-        # non-finite grad norm must skip the update (same decision on every rank: the norm is global).
-        host = torch.cat([stacked, grad_norm.reshape(1).float().to(stacked.device)]).tolist()
-        norm = host[-1]
-        lr = self.scheduler.get_last_lr()[0]
-        if math.isfinite(norm):
-            self.optimizer.step()
-        else:
-            log.warning("skipping optimizer step: grad norm is %s", norm)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        host, norm, lr = finish_step(self.model, self.optimizer, self.scheduler, total.stacked(),
+                                     cfg.optim.clip_grad, ctx.world_size, "actor")
         rank_tokens = [sum(lengths[i] for i in idx) for idx in split]
         mean_tokens = sum(rank_tokens) / len(rank_tokens)
         return StepResult(
-            metrics=LossMetrics(*(torch.tensor(v) for v in host[:-1])), grad_norm=norm, finite=math.isfinite(norm),
+            metrics=LossMetrics(*(torch.tensor(v) for v in host)), grad_norm=norm, finite=math.isfinite(norm),
             lr=lr, num_micro_batches=num_mb, num_tokens=sum(lengths),
             tokens_max_over_mean=max(rank_tokens) / mean_tokens if mean_tokens > 0 else 1.0)

@@ -17,13 +17,11 @@ exactly these two into the critic's arguments. Its weights start from
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import register_fsdp_forward_method
 
 from furlong.config import Config, OptimConfig
@@ -33,12 +31,12 @@ from furlong.train.batching import (move_micro_batch, pack_micro_batch, padding_
 from furlong.train.distributed import all_gather_flat
 from furlong.train.fsdp import compile_enabled, compile_layers, compute_dtype, shard_model
 from furlong.train.optimizer import build_lr_scheduler, build_optimizer
+from furlong.train.optimizer_step import finish_step
 from furlong.train.planning import optimizer_step_chunks, rank_micro_batches
 from furlong.train.train_metrics import CriticMetrics
 from furlong.train.value_loss import ValueLossMetrics, explained_variance, value_loss
 from furlong.types import DistContext, MicroBatch, TrainSample
 
-log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -174,22 +172,9 @@ class Critic:
                                        mb.loss_weight, cfg.algo.value_clip)
             loss.backward()
             total = total + metrics
-        max_norm = cfg.optim.clip_grad if cfg.optim.clip_grad > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        stacked = total.stacked()
-        if ctx.world_size > 1:
-            dist.all_reduce(stacked)
-        host = torch.cat([stacked, grad_norm.reshape(1).float().to(stacked.device)]).tolist()   # one sync
-        norm, lr = host[-1], self.scheduler.get_last_lr()[0]
-        if math.isfinite(norm):   # the norm is global, so every rank skips alike
-            self.optimizer.step()
-        else:
-            log.warning("critic: skipping optimizer step: grad norm is %s", norm)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        return CriticStep(ValueLossMetrics(*(torch.tensor(v) for v in host[:-1])), norm, lr)
+        host, norm, lr = finish_step(self.model, self.optimizer, self.scheduler, total.stacked(),
+                                     cfg.optim.clip_grad, ctx.world_size, "critic")
+        return CriticStep(ValueLossMetrics(*(torch.tensor(v) for v in host)), norm, lr)
 
 
 def check_critic_inputs(cfg: Config, vocab_size: int, resume_iteration: int | None) -> Path:
