@@ -165,9 +165,17 @@ def _spawned(local_rank: int, num_procs: int, port: int, fn: Callable[..., Any],
         destroy_distributed()
         # skip interpreter teardown of a half-failed group; the launcher prints the one-line error
         os._exit(code if isinstance(code, int) else 1)
+    # Every rank reaches the end before any tears the group down (a rank still writing results
+    # must not find its peers' sockets gone).
+    barrier()
     destroy_distributed()
-    if isinstance(result, int) and result >= 128:   # stopped by a signal after a whole step (signals.py)
-        os._exit(result)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: a spawned child otherwise runs C++ static destructors, and a
+    # still-joinable library thread there aborts the process ("terminate called without an
+    # active exception", exit -6) now and then, long after the work succeeded. Files the worker
+    # wrote are closed by then (no furlong code relies on atexit).
+    os._exit(result if isinstance(result, int) and result >= 128 else 0)  # >= 128: stopped by a signal (signals.py)
 
 
 def launch_local(fn: Callable[..., Any], num_procs: int, *args: Any, describe: Describe | None = None) -> int:
