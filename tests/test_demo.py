@@ -1,8 +1,10 @@
 """`furlong demo --quick`: the whole pipeline (data, tokenizer, model, SFT, GRPO, eval) runs and reports.
 
-The full-size demo (accuracy rising under GRPO, ~7 minutes on 2 cores) is measured by hand
-and quoted in the closing notes; this checks the plumbing at a scale CI can afford.
+The full-size demo (held-out accuracy rising under GRPO, ~12 minutes on 2 cores) is measured by hand
+and quoted in README.md and BENCHMARKS.md; this checks the plumbing at a scale CI can afford, the
+sampled eval of the saved checkpoints included.
 """
+import json
 import re
 import subprocess
 import sys
@@ -14,7 +16,12 @@ def test_quick_demo_runs_end_to_end(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     last = proc.stdout.strip().splitlines()[-1]
-    assert re.fullmatch(r"demo: held-out accuracy \d+\.\d% -> \d+\.\d% \(\d+s\)", last), last
+    assert re.fullmatch(r"demo: held-out accuracy \d+\.\d% -> \d+\.\d% greedy, \d+\.\d% -> \d+\.\d% sampled "
+                        r"\(T=1, 2 per prompt\) \(\d+s\)", last), last
     assert (out / "sft_model" / "model.safetensors").is_file()
     assert (out / "grpo" / "metrics.jsonl").is_file()
     assert "[sft " in proc.stdout and "[rollout 2/2]" in proc.stdout
+    evals = json.loads((out / "evals.json").read_text())
+    assert [x for x, _ in evals["greedy"]] == [0, 2]      # before GRPO and after its 2 rollouts
+    assert [x for x, _ in evals["sampled"]] == [0, 2]     # the SFT model and the final checkpoint
+    assert all(0.0 <= v <= 1.0 for _, v in evals["greedy"] + evals["sampled"])
