@@ -188,6 +188,15 @@ class SftConfig:
     sft_max_len: int = flag(2048, "SFT: truncate samples to this many tokens")
 
 
+@dataclass(frozen=True)
+class EvalSampling:
+    """The eval flags after their fallbacks to the rollout's (Config.eval_sampling)."""
+    temperature: float
+    top_p: float
+    top_k: int                # -1: off
+    max_new_tokens: int
+
+
 @dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
@@ -223,15 +232,15 @@ class Config:
         o = self.rollout.over_sampling_batch_size
         return self.rollout.rollout_batch_size if o is None else o
 
-    def eval_sampling(self) -> dict[str, Any]:
-        """Eval sampling settings, falling back to the rollout's."""
+    def eval_sampling(self) -> EvalSampling:
+        """Eval sampling settings, each falling back to the rollout's."""
         r, e = self.rollout, self.eval
-        return {
-            "temperature": r.rollout_temperature if e.eval_temperature is None else e.eval_temperature,
-            "top_p": r.rollout_top_p if e.eval_top_p is None else e.eval_top_p,
-            "top_k": r.rollout_top_k if e.eval_top_k is None else e.eval_top_k,
-            "max_new_tokens": r.rollout_max_response_len if e.eval_max_response_len is None else e.eval_max_response_len,
-        }
+        return EvalSampling(
+            temperature=r.rollout_temperature if e.eval_temperature is None else e.eval_temperature,
+            top_p=r.rollout_top_p if e.eval_top_p is None else e.eval_top_p,
+            top_k=r.rollout_top_k if e.eval_top_k is None else e.eval_top_k,
+            max_new_tokens=r.rollout_max_response_len if e.eval_max_response_len is None else e.eval_max_response_len,
+        )
 
     def eval_sets(self) -> list[tuple[str, str]]:
         items = self.eval.eval_prompt_data

@@ -56,10 +56,10 @@ def validate(cfg: Config, command: str = "train") -> None:
     _need(e.n_samples_per_eval_prompt >= 1, "--n-samples-per-eval-prompt", "must be >= 1")
     _need(e.eval_interval is None or bool(e.eval_prompt_data), "--eval-interval", "needs --eval-prompt-data")
     es = cfg.eval_sampling()   # the rollout's values are valid here, so a failure is the eval flag's own
-    _need(es["temperature"] >= 0, "--eval-temperature", "must be >= 0")
-    _need(0 < es["top_p"] <= 1, "--eval-top-p", "must be in (0, 1]")
-    _need(es["top_k"] == -1 or es["top_k"] >= 1, "--eval-top-k", "must be -1 (off) or >= 1")
-    _need(es["max_new_tokens"] >= 1, "--eval-max-response-len", "must be >= 1")
+    _need(es.temperature >= 0, "--eval-temperature", "must be >= 0")
+    _need(0 < es.top_p <= 1, "--eval-top-p", "must be in (0, 1]")
+    _need(es.top_k == -1 or es.top_k >= 1, "--eval-top-k", "must be -1 (off) or >= 1")
+    _need(es.max_new_tokens >= 1, "--eval-max-response-len", "must be >= 1")
     estimators = ("grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
     _need(a.advantage_estimator in estimators, "--advantage-estimator",
           f"unknown estimator {a.advantage_estimator!r} ({', '.join(estimators)})")

@@ -16,10 +16,11 @@ import torch
 
 from furlong.config import Config
 from furlong.metrics import Progress, progress_line, write_samples
-from furlong.rollout.eval import EvalSpec, run_eval
+from furlong.rollout.eval import run_eval
 from furlong.rollout.rollout import RolloutBatch, RolloutSpec, generate_rollout
 from furlong.run_setup import RunParts, build_run
 from furlong.signals import StopRequest
+from furlong.specs import checkpoint_paths, eval_spec, rollout_spec, sample_spec
 from furlong.train.mfu import mfu
 from furlong.train.run_checkpoint import save_run
 from furlong.train.train_samples import build_train_samples
@@ -69,7 +70,7 @@ def _rollout(parts: RunParts, spec: RolloutSpec, rollout_id: int) -> RolloutBatc
 
 
 def _run_evals(parts: RunParts, rollout_id: int) -> dict[str, float]:
-    spec, out = EvalSpec.from_config(parts.cfg), {}
+    spec, out = eval_spec(parts.cfg), {}
     for name, prompts in parts.eval_sets:
         t = time.perf_counter()
         n = spec.n_samples_per_prompt
@@ -86,7 +87,7 @@ def _run_evals(parts: RunParts, rollout_id: int) -> dict[str, float]:
 
 
 def _save(parts: RunParts, rollout_id: int) -> None:
-    path = save_run(parts.cfg, parts.actor, parts.critic, parts.dataset, rollout_id)
+    path = save_run(checkpoint_paths(parts.cfg), parts.actor, parts.critic, parts.dataset, rollout_id)
     parts.logger.line(f"saved checkpoint {path} (after rollout {rollout_id + 1})")
 
 
@@ -142,13 +143,13 @@ def _rollouts(parts: RunParts, ci: "CiChecker", progress: Progress, stop: StopRe
     """The RL steps; 0, or 128 + signal when a SIGINT/SIGTERM stopped the run after a whole step."""
     cfg, ctx, actor, critic, logger = parts.cfg, parts.ctx, parts.actor, parts.critic, parts.logger
     num_rollout, eval_every = cfg.rollout.num_rollout, cfg.eval.eval_interval
-    spec = RolloutSpec.from_config(cfg)
+    spec, shaping = rollout_spec(cfg), sample_spec(cfg)
     for rollout_id in range(parts.start_rollout, num_rollout):
         clock = PhaseClock()
         batch = _rollout(parts, spec, rollout_id)
         with clock("perf/log_probs_time"):
             # advantages, old/ref log-probs; with a critic (ppo) its values and the returns
-            samples = build_train_samples(batch.groups, cfg, actor, critic)
+            samples = build_train_samples(batch.groups, shaping, actor, critic)
         metrics = batch.metrics.as_log()
         if critic is not None:   # miles' order: the critic trains first, on the values GAE used
             with clock("perf/critic_train_time"):

@@ -124,7 +124,7 @@ def check_inputs(cfg: Config, with_actor: bool) -> CheckedInputs:
                          f"(vocab_size {args.vocab_size})")
     max_resp = cfg.rollout.rollout_max_response_len
     if cfg.eval_sets():
-        max_resp = max(max_resp, cfg.eval_sampling()["max_new_tokens"])
+        max_resp = max(max_resp, cfg.eval_sampling().max_new_tokens)
     max_ctx = args.max_position_embeddings - max_resp
     if max_ctx <= 0:
         raise ValueError(f"--rollout-max-response-len: {max_resp} leaves no room for a prompt in the model's "
@@ -155,11 +155,34 @@ def check_inputs(cfg: Config, with_actor: bool) -> CheckedInputs:
         check_writable(cfg.ckpt.save, "--save")
     critic_ckpt = None
     if with_actor and cfg.algo.advantage_estimator == "ppo":
-        from furlong.train.critic import check_critic_inputs
-        critic_ckpt = check_critic_inputs(cfg, args.vocab_size, resume.iteration if resume is not None else None)
+        critic_ckpt = check_critic_inputs(cfg, ckpt, args.vocab_size, resume.iteration if resume is not None else None)
     if (out / "metrics.jsonl").exists() and cfg.ckpt.load is None and not cfg.log.overwrite:
         raise ValueError(f"--output-dir: {out} already holds a run (metrics.jsonl); pass --load to continue it "
                          "or --overwrite to replace it")
     return CheckedInputs(hf_checkpoint=ckpt, model_args=args, tokenizer=tokenizer, max_response_len=max_resp,
                          dataset=dataset, eval_sets=eval_sets, reward_fn=reward_fn, filter_fn=filter_fn,
                          resume=resume, output_dir=out, critic_checkpoint=critic_ckpt)
+
+
+def check_critic_inputs(cfg: Config, hf_checkpoint: Path, vocab_size: int, resume_iteration: int | None) -> Path:
+    """The critic's inputs (ppo): the HF checkpoint it starts from (returned; the actor's
+    `hf_checkpoint` unless --critic-hf-checkpoint), which must share the actor's vocabulary since
+    it reads the actor's token ids; on resume, its checkpoint of the actor's iteration; --critic-save."""
+    from furlong.models.hf_config import ModelArgs
+    from furlong.specs import checkpoint_paths
+    from furlong.train.critic_checkpoint import check_critic_resume
+    path, paths = hf_checkpoint, checkpoint_paths(cfg)
+    if cfg.algo.critic_hf_checkpoint is not None:
+        try:
+            path = check_checkpoint_dir(cfg.algo.critic_hf_checkpoint)
+        except ValueError as e:
+            raise ValueError(str(e).replace("--hf-checkpoint", "--critic-hf-checkpoint", 1)) from e
+        critic_vocab = ModelArgs.from_dir(path).vocab_size
+        if critic_vocab != vocab_size:
+            raise ValueError(f"--critic-hf-checkpoint: vocab_size {critic_vocab} differs from the --hf-checkpoint "
+                             f"model's {vocab_size} (the critic reads the actor's token ids)")
+    if resume_iteration is not None:
+        check_critic_resume(paths.critic_load, resume_iteration)
+    if paths.critic_save is not None:
+        check_writable(paths.critic_save, "--critic-save")
+    return path

@@ -93,13 +93,14 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool) -> RunParts:
     if with_actor:
         from furlong.train.actor import Actor
         from furlong.train.memory_probe import CPU_DEFAULT_TOKENS, probe_max_tokens
+        from furlong.specs import actor_spec, critic_spec
         auto = cfg.max_tokens_per_gpu_is_auto
-        from furlong.train.critic import actor_schedule_steps
-        actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=device), cfg, ctx,
-                      total_steps=actor_schedule_steps(cfg), max_tokens_per_gpu=CPU_DEFAULT_TOKENS if auto else None)
+        actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=device), actor_spec(cfg), ctx,
+                      max_tokens_per_gpu=CPU_DEFAULT_TOKENS if auto else None)
         if critic_ckpt is not None:   # before the probe, which then measures with the critic (and its AdamW state)
             from furlong.train.critic import build_critic
-            critic = build_critic(cfg, ctx, critic_ckpt, max_tokens_per_gpu=CPU_DEFAULT_TOKENS if auto else None)
+            critic = build_critic(critic_spec(cfg), ctx, critic_ckpt,
+                                  max_tokens_per_gpu=CPU_DEFAULT_TOKENS if auto else None)
         if auto:   # measured with the engine's weights already resident, as in every later step
             reserved = sum(p.numel() * p.element_size() for p in engine_model.parameters())
             actor.max_tokens_per_gpu = probe_max_tokens(actor, reserved_bytes=reserved)
@@ -132,9 +133,10 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool) -> RunParts:
 
     start_rollout = 0
     if resume is not None and actor is not None:
+        from furlong.specs import checkpoint_paths
         from furlong.train.run_checkpoint import load_run
         from furlong.train.weight_sync import sync_weights
-        state = load_run(cfg, actor, critic, dataset, resume.iteration)
+        state = load_run(checkpoint_paths(cfg), actor, critic, dataset, resume.iteration)
         start_rollout = state.next_rollout_id
         sync_weights(actor.model, engine.model, cfg.batch.update_weight_buffer_size)
         dropped = logger.cut_back(state.rollout_id)

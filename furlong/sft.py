@@ -61,6 +61,7 @@ def save_hf_checkpoint(model: torch.nn.Module, src_ckpt: Path, out_dir: str, ran
 def run_sft(cfg: Config, ctx: DistContext) -> int:
     from furlong.models.hf_io import load_pretrained
     from furlong.preflight import check_hf_checkpoint
+    from furlong.specs import actor_spec
     from furlong.train.actor import Actor
 
     ckpt, _, tokenizer = check_hf_checkpoint(cfg.data.hf_checkpoint)
@@ -72,8 +73,8 @@ def run_sft(cfg: Config, ctx: DistContext) -> int:
     steps_per_epoch = len(samples) // gbs
     total = steps_per_epoch * cfg.sft.num_epoch
     torch.manual_seed(cfg.parallel.seed)
-    actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=ctx.device), cfg, ctx, loss="sft",
-                  total_steps=total)
+    actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=ctx.device), actor_spec(cfg, total_steps=total),
+                  ctx, loss="sft")
     out = Path(cfg.log.output_dir or f"runs/sft-{time.strftime('%Y%m%d-%H%M%S')}")
     logger = MetricsLogger(out, enabled=ctx.rank == 0)
     progress = Progress(total)

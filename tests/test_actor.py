@@ -20,6 +20,7 @@ from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
 from furlong.config import Config  # noqa: E402
 from furlong.models.hf_io import load_pretrained  # noqa: E402
+from furlong.specs import actor_spec  # noqa: E402
 from furlong.train.actor import Actor  # noqa: E402
 from furlong.train.distributed import WorkerError, all_reduce_max, all_reduce_sum, init_distributed, launch_local  # noqa: E402
 from furlong.train.memory_probe import CPU_DEFAULT_TOKENS, ProbeMeasurement, choose_max_tokens, probe_max_tokens  # noqa: E402
@@ -90,7 +91,7 @@ def capture_grads(actor: Actor) -> dict[str, torch.Tensor]:
 def test_compute_log_probs_matches_unpacked_forward(tiny_ckpt):
     ctx = init_distributed("cpu")
     cfg = tiny_config(use_dynamic_batch_size=True, max_tokens_per_gpu="30", rollout_temperature=0.7)
-    actor = Actor(load_pretrained(tiny_ckpt), cfg, ctx)
+    actor = Actor(load_pretrained(tiny_ckpt), actor_spec(cfg), ctx)
     samples = synthetic_samples([17, 9, 25, 6, 12])
     got = actor.compute_log_probs(samples, "old")
     # everything resharded afterwards (checkpointing and weight sync expect DTensors)
@@ -105,7 +106,7 @@ def test_compute_log_probs_matches_unpacked_forward(tiny_ckpt):
 
 
 def test_ref_log_probs_need_kl_loss(tiny_ckpt):
-    actor = Actor(load_pretrained(tiny_ckpt), tiny_config(), init_distributed("cpu"))
+    actor = Actor(load_pretrained(tiny_ckpt), actor_spec(tiny_config()), init_distributed("cpu"))
     with pytest.raises(ValueError, match="ref"):
         actor.compute_log_probs(synthetic_samples([8]), "ref")
 
@@ -119,7 +120,7 @@ def test_reuse_equals_two_pass(tiny_ckpt):
     results = []
     for explicit in (False, True):
         cfg = tiny_config(micro_batch_size=2, eps_clip_high=0.28)
-        actor = Actor(load_pretrained(tiny_ckpt), cfg, ctx)
+        actor = Actor(load_pretrained(tiny_ckpt), actor_spec(cfg), ctx)
         assert actor.reuses_old_log_probs(len(samples))
         batch = samples
         if explicit:
@@ -141,7 +142,7 @@ def test_gradient_checkpointing_same_gradients(tiny_ckpt):
     samples = synthetic_samples([14, 9, 20])
     grads = []
     for ckpt_on in (False, True):
-        actor = Actor(load_pretrained(tiny_ckpt), tiny_config(gradient_checkpointing=ckpt_on, micro_batch_size=2), ctx)
+        actor = Actor(load_pretrained(tiny_ckpt), actor_spec(tiny_config(gradient_checkpointing=ckpt_on, micro_batch_size=2)), ctx)
         assert actor.model.gradient_checkpointing is ckpt_on
         grads.append(capture_grads(actor))
         actor.train_step(samples)
@@ -150,7 +151,7 @@ def test_gradient_checkpointing_same_gradients(tiny_ckpt):
 
 
 def test_reuse_flag_rejected_with_several_steps(tiny_ckpt):
-    actor = Actor(load_pretrained(tiny_ckpt), tiny_config(global_batch_size=2, skip_actor_forward_only=True),
+    actor = Actor(load_pretrained(tiny_ckpt), actor_spec(tiny_config(global_batch_size=2, skip_actor_forward_only=True)),
                   init_distributed("cpu"))
     with pytest.raises(ValueError, match="--skip-actor-forward-only"):
         actor.train_step(synthetic_samples([6, 7, 8, 9]))
@@ -163,7 +164,7 @@ def test_several_optimizer_steps_per_rollout(tiny_ckpt):
     before the first update (so the second step sees ppo_kl != 0)."""
     ctx = init_distributed("cpu")
     cfg = tiny_config(global_batch_size=2, lr=1e-2)
-    actor = Actor(load_pretrained(tiny_ckpt), cfg, ctx)
+    actor = Actor(load_pretrained(tiny_ckpt), actor_spec(cfg), ctx)
     assert not actor.reuses_old_log_probs(4)
     samples = synthetic_samples([10, 12, 9, 11])
     before = full_weights(actor)
@@ -179,7 +180,7 @@ def test_several_optimizer_steps_per_rollout(tiny_ckpt):
 def test_sft_loss_trains(tiny_ckpt):
     """Actor(loss='sft') lowers the cross-entropy of the data it trains on."""
     ctx = init_distributed("cpu")
-    actor = Actor(load_pretrained(tiny_ckpt), tiny_config(lr=1e-2, micro_batch_size=4), ctx, loss="sft")
+    actor = Actor(load_pretrained(tiny_ckpt), actor_spec(tiny_config(lr=1e-2, micro_batch_size=4)), ctx, loss="sft")
     samples = synthetic_samples([12, 10, 14])
     losses = [actor.train_step(samples).loss for _ in range(4)]
     assert losses[-1] < losses[0]
@@ -207,7 +208,7 @@ def test_launch_local_reports_worker_error():
 
 def _sync_worker(ckpt: str, out: str) -> None:
     ctx = init_distributed("cpu")
-    actor = Actor(load_pretrained(ckpt), tiny_config(lr=1e-2), ctx)
+    actor = Actor(load_pretrained(ckpt), actor_spec(tiny_config(lr=1e-2)), ctx)
     actor.train_step(synthetic_samples([9, 14, 6]))   # trainer weights now differ from the checkpoint
     engines = {torch.float32: load_pretrained(ckpt), torch.bfloat16: load_pretrained(ckpt, dtype=torch.bfloat16)}
     written = {dt: sync_weights(actor.model, eng, bucket_bytes=4096) for dt, eng in engines.items()}
@@ -235,7 +236,7 @@ def test_weight_sync_buckets_and_mismatch(tiny_ckpt):
     params = [(f"p{i}", torch.zeros(n)) for i, n in enumerate([100, 300, 2000, 50, 50])]
     buckets = _buckets(params, torch.float32, bucket_bytes=1600)
     assert [[n for n, _ in b] for b in buckets] == [["p0", "p1"], ["p2"], ["p3", "p4"]]
-    actor = Actor(load_pretrained(tiny_ckpt), tiny_config(), init_distributed("cpu"))
+    actor = Actor(load_pretrained(tiny_ckpt), actor_spec(tiny_config()), init_distributed("cpu"))
     other = load_pretrained(write_tiny_checkpoint(Path(tiny_ckpt).parent / "tied", vocab_size=VOCAB, hidden=32,
                                                   tie=True, with_tokenizer=False))
     with pytest.raises(ValueError, match="weight sync"):
@@ -259,7 +260,7 @@ def test_choose_max_tokens():
 
 
 def test_probe_on_cpu_returns_default(tiny_ckpt, caplog):
-    actor = Actor(load_pretrained(tiny_ckpt), tiny_config(use_dynamic_batch_size=True, max_tokens_per_gpu="auto"),
+    actor = Actor(load_pretrained(tiny_ckpt), actor_spec(tiny_config(use_dynamic_batch_size=True, max_tokens_per_gpu="auto")),
                   init_distributed("cpu"))
     with pytest.raises(ValueError, match="--max-tokens-per-gpu"):
         actor.train_step(synthetic_samples([8, 9]))
@@ -273,7 +274,7 @@ def test_probe_on_cpu_returns_default(tiny_ckpt, caplog):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_probe_on_gpu_fits(tiny_ckpt):
     """The probed budget is a multiple of 1024 and a micro-batch of that size trains."""
-    actor = Actor(load_pretrained(tiny_ckpt), tiny_config(use_dynamic_batch_size=True, max_tokens_per_gpu="auto"),
+    actor = Actor(load_pretrained(tiny_ckpt), actor_spec(tiny_config(use_dynamic_batch_size=True, max_tokens_per_gpu="auto")),
                   init_distributed("cuda"))
     actor.max_tokens_per_gpu = probe_max_tokens(actor)
     assert actor.max_tokens_per_gpu % 1024 == 0 and actor.max_tokens_per_gpu >= 1024

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_actor import full_weights, synthetic_samples, tiny_ckpt, tiny_config  # noqa: E402,F401 (tiny_ckpt: fixture)
 
 from furlong.models.hf_io import load_pretrained  # noqa: E402
+from furlong.specs import actor_spec  # noqa: E402
 from furlong.train.actor import Actor  # noqa: E402
 from furlong.train.checkpoint import (SLEEP_ENV, TRACKER, latest_iteration, load_checkpoint,  # noqa: E402
                                       save_checkpoint)
@@ -37,7 +38,7 @@ def make_actor(ckpt) -> Actor:
     # scheduler position both matter for an exact resume
     cfg = tiny_config(global_batch_size=2, lr=1e-2, lr_decay_style="cosine", lr_warmup_iters=1,
                       micro_batch_size=2, hf_checkpoint=str(ckpt))
-    return Actor(load_pretrained(ckpt), cfg, init_distributed("cpu"))
+    return Actor(load_pretrained(ckpt), actor_spec(cfg), init_distributed("cpu"))
 
 
 def _draws():
@@ -146,7 +147,7 @@ def test_export_hf_loads_in_transformers(tiny_ckpt, tmp_path):
 
     a = make_actor(tiny_ckpt)
     a.train_step(rollout_samples(0))
-    save_checkpoint(tmp_path / "save", a, rollout_id=0)
+    save_checkpoint(tmp_path / "save", a, rollout_id=0, source=str(tiny_ckpt))
     out = export_hf(tmp_path / "save", tmp_path / "hf")   # source checkpoint recorded in the save
     trained = load_pretrained(tiny_ckpt)
     trained.load_state_dict(full_weights(a))
@@ -172,9 +173,9 @@ def test_eval_load_generates_with_the_chosen_iteration(tiny_ckpt, tmp_path, caps
 
     a = make_actor(tiny_ckpt)
     a.train_step(rollout_samples(0))
-    save_checkpoint(tmp_path / "save", a, rollout_id=0)
+    save_checkpoint(tmp_path / "save", a, rollout_id=0, source=str(tiny_ckpt))
     a.train_step(rollout_samples(1))
-    save_checkpoint(tmp_path / "save", a, rollout_id=1)     # the latest; --ckpt-step 1 must not load it
+    save_checkpoint(tmp_path / "save", a, rollout_id=1, source=str(tiny_ckpt))     # the latest; --ckpt-step 1 must not load it
     export_hf(tmp_path / "save", tmp_path / "hf1", ckpt_step=1)
     prepare_synthetic(tmp_path / "data", 2, 4, 0)
 

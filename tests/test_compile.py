@@ -3,6 +3,7 @@ import torch
 
 from furlong.config import Config
 from furlong.models.hf_io import load_pretrained
+from furlong.specs import actor_spec
 from furlong.train.actor import Actor
 from furlong.train.distributed import destroy_distributed, init_distributed
 from furlong.types import TrainSample
@@ -29,7 +30,7 @@ def test_compiled_layers_match_eager(tmp_path):
             cfg.batch.use_dynamic_batch_size, cfg.batch.max_tokens_per_gpu = True, "96"
             cfg.optim.lr, cfg.algo.entropy_coef = 1e-3, 0.01
             cfg.parallel.torch_compile = mode
-            actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device="cpu"), cfg, ctx)
+            actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device="cpu"), actor_spec(cfg), ctx)
             # two steps with different token counts: the second exercises dynamic shapes
             metrics = [actor.train_step(_samples(s)) for s in range(2)]
             results[mode] = [(m.loss, m.grad_norm, m.entropy) for m in metrics]

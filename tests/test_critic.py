@@ -20,6 +20,7 @@ from test_e2e import _resume_flags, assets, read_metrics  # noqa: E402,F401 (ass
 from furlong.cli import main, parse_config  # noqa: E402
 from furlong.models.hf_io import load_pretrained  # noqa: E402
 from furlong.models.value_model import ValueModel  # noqa: E402
+from furlong.specs import critic_spec  # noqa: E402
 from furlong.train.batching import step_loss_weights  # noqa: E402
 from furlong.train.critic import Critic  # noqa: E402
 from furlong.train.distributed import init_distributed, launch_local  # noqa: E402
@@ -112,7 +113,8 @@ def test_explained_variance_matches_direct():
 # ---------------------------------------------------------------- the value model and the Critic
 
 def _critic(ckpt, cfg) -> Critic:
-    return Critic(ValueModel(load_pretrained(ckpt), torch.Generator().manual_seed(0)), cfg, init_distributed("cpu"))
+    return Critic(ValueModel(load_pretrained(ckpt), torch.Generator().manual_seed(0)), critic_spec(cfg),
+                  init_distributed("cpu"))
 
 
 def test_compute_values_match_unpacked_forward(tiny_ckpt):

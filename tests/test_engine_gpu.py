@@ -183,13 +183,14 @@ def test_weights_after_sync_equal_the_trainers_gathered_weights(tmp_path):
     from tiny_checkpoints import write_tiny_checkpoint
     from furlong.engine import Engine, EngineConfig, Request, SamplingParams
     from furlong.models.hf_io import load_pretrained
+    from furlong.specs import actor_spec
     from furlong.train.actor import Actor
     from furlong.train.distributed import init_distributed
     from furlong.train.weight_sync import sync_weights
     ckpt = write_tiny_checkpoint(tmp_path / "c", vocab_size=128, hidden=64, layers=2, heads=4, kv_heads=2,
                                  tie=False, init_std=0.05)
     ctx = init_distributed("auto")
-    actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=ctx.device), tiny_config(), ctx)
+    actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=ctx.device), actor_spec(tiny_config()), ctx)
     actor.train_step(synthetic_samples([9, 14, 7, 20]))
     eng = Engine(load_pretrained(ckpt, dtype=torch.bfloat16, device=ctx.device), NullTok(), [],
                  EngineConfig(max_model_len=64, max_num_seqs=4, kv_fraction=0.02))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from furlong.config import Config
+from furlong.specs import loss_params
 from furlong.train.advantages import get_estimator, grpo_advantages
 from furlong.train.batching import pack_micro_batch, token_loss_weights
 from furlong.train.losses import (KL_ESTIMATORS, LossMetrics, LossParams, kl_penalty, policy_loss,
@@ -17,7 +18,7 @@ from furlong.types import TrainSample
 
 def _loss_params(**flags) -> LossParams:
     """The default flags' LossParams with `flags` changed."""
-    return dataclasses.replace(LossParams.from_config(Config()), **flags)
+    return dataclasses.replace(loss_params(Config()), **flags)
 
 
 # ------------------------------------------------------------------ advantages
@@ -264,7 +265,7 @@ def test_bad_inputs_and_config():
         rl_loss(mb, torch.cat(cur), None, _loss_params(use_kl_loss=True))
     cfg = Config()
     cfg.algo.eps_clip, cfg.algo.eps_clip_high, cfg.algo.use_tis = 0.1, 0.3, True
-    prm = LossParams.from_config(cfg)
+    prm = loss_params(cfg)
     assert (prm.eps_clip, prm.eps_clip_high, prm.use_tis, prm.tis_clip) == (0.1, 0.3, True, 2.0)
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from furlong.config import Config
+from furlong.specs import sample_spec
 from furlong.train.advantages import AdvantageInputs, AdvantageParams, get_estimator, whiten
 from furlong.train.shaping import overlong_penalty
 from furlong.train.train_samples import build_train_samples
@@ -53,7 +54,7 @@ def cfg(**algo) -> Config:
 def test_scalar_estimators_reach_the_samples(name):
     gs = groups()
     actor = FakeActor(reuse=True)
-    samples = build_train_samples(gs, cfg(advantage_estimator=name), actor)
+    samples = build_train_samples(gs, sample_spec(cfg(advantage_estimator=name)), actor)
     rewards = torch.tensor([grp.rewards for grp in gs])
     masks = [torch.ones(s.num_response_tokens) for s in samples]
     want, _ = get_estimator(name)(AdvantageInputs(rewards, masks, None), AdvantageParams())
@@ -67,7 +68,7 @@ def test_reinforce_pp_kl_in_reward_needs_old_and_ref_and_is_whitened():
     gs = groups(1)
     actor = FakeActor(reuse=True)
     c = cfg(advantage_estimator="reinforce_plus_plus", kl_coef=0.1, gamma=0.9)
-    samples = build_train_samples(gs, c, actor)
+    samples = build_train_samples(gs, sample_spec(c), actor)
     assert actor.calls == ["old", "ref"]                    # the reward's KL needs both before training
     kl = [s.old_log_probs - s.ref_log_probs for s in samples]   # k1 (the default --kl-loss-type)
     masks = [torch.ones(s.num_response_tokens) for s in samples]
@@ -82,18 +83,18 @@ def test_reinforce_pp_kl_in_reward_needs_old_and_ref_and_is_whitened():
 def test_flags_rollout_logprobs_overlong_normalize_and_raw_rewards():
     gs = groups(2)
     actor = FakeActor(reuse=False)
-    samples = build_train_samples(gs, cfg(use_rollout_logprobs=True), actor)
+    samples = build_train_samples(gs, sample_spec(cfg(use_rollout_logprobs=True)), actor)
     assert actor.calls == [] and all(torch.equal(s.old_log_probs, s.rollout_log_probs) for s in samples)
 
     c = cfg(overlong_buffer_len=4, overlong_penalty_factor=2.0, disable_rewards_normalization=True)
-    samples = build_train_samples(gs, c, FakeActor(reuse=True))
+    samples = build_train_samples(gs, sample_spec(c), FakeActor(reuse=True))
     flat = [s for grp in gs for s in grp.samples]
     for s, smp in zip(samples, flat):
         want = smp.reward + overlong_penalty(len(smp.response_ids), 12, 4, 2.0)
         torch.testing.assert_close(s.advantages, torch.full((len(smp.response_ids),), want))
     assert any(len(smp.response_ids) > 8 for smp in flat)    # some responses were penalized
 
-    samples = build_train_samples(gs, cfg(normalize_advantages=True), FakeActor(reuse=True))
+    samples = build_train_samples(gs, sample_spec(cfg(normalize_advantages=True)), FakeActor(reuse=True))
     allv = torch.cat([s.advantages for s in samples])
     assert abs(allv.mean().item()) < 1e-5 and allv.std().item() == pytest.approx(1.0, rel=1e-3)
 

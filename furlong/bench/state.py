@@ -76,8 +76,9 @@ class Bench:
 
     def actor(self):
         if self._actor is None:
+            from furlong.specs import actor_spec
             from furlong.train.actor import Actor
-            self._actor = Actor(self.random_model(), self.config(), self.ctx)
+            self._actor = Actor(self.random_model(), actor_spec(self.config()), self.ctx)
         return self._actor
 
     def release_actor(self) -> None:

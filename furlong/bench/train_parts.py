@@ -11,6 +11,8 @@
 """
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, Callable
 
 import torch
@@ -46,12 +48,13 @@ def part_train(b: Bench) -> TrainResult:
           f"{tm.num_micro_batches} micro-batches", flush=True)
 
     mbs1_s = mbs1_mb = None
-    dyn_cfg = actor.cfg
+    dyn_spec = actor.spec
     try:
         if not b.w.compare_mbs1:
             raise _Skipped("train.compare_micro_batch_size_1 is false in the workload")
-        # Actor reads its batch flags from self.cfg at every step: swap them for the comparison.
-        actor.cfg = b.config(use_dynamic_batch_size=False, micro_batch_size=1)
+        # Actor reads its step plan from self.spec at every step: swap it for the comparison.
+        actor.spec = dataclasses.replace(dyn_spec, steps=dataclasses.replace(
+            dyn_spec.steps, use_dynamic_batch_size=False, micro_batch_size=1))
         tm1, mbs1_s = timed(lambda: actor.train_step(samples), dev)
         mbs1_mb = tm1.num_micro_batches
     except PartTimeout:
@@ -59,7 +62,7 @@ def part_train(b: Bench) -> TrainResult:
     except Exception as e:   # the comparison is optional; report why it is missing
         print(f"[bench] train: micro-batch-size 1 comparison skipped: {e}", flush=True)
     finally:
-        actor.cfg = dyn_cfg
+        actor.spec = dyn_spec
 
     sync_s, sync_bytes, note = None, None, "ok"
     try:

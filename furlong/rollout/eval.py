@@ -10,29 +10,19 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from furlong.engine.sampling import SamplingParams
 from furlong.engine.sequence import Request
 from furlong.rollout.rollout import derive_seed, gather_lists, rank_share, reward_groups, to_group
 from furlong.types import DistContext, Prompt, Sample
 
-if TYPE_CHECKING:
-    from furlong.config import Config
 
 
 @dataclass
 class EvalSpec:
     sampling: SamplingParams         # eval settings, each falling back to the rollout's; seed --rollout-seed
     n_samples_per_prompt: int        # --n-samples-per-eval-prompt
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> EvalSpec:
-        e = cfg.eval_sampling()
-        sampling = SamplingParams(temperature=e["temperature"], top_p=e["top_p"], top_k=e["top_k"],
-                                  max_new_tokens=e["max_new_tokens"], stop=list(cfg.rollout.rollout_stop),
-                                  stop_token_ids=list(cfg.rollout.rollout_stop_token_ids), seed=cfg.data.rollout_seed)
-        return cls(sampling=sampling, n_samples_per_prompt=cfg.eval.n_samples_per_eval_prompt)
 
 
 @dataclass

@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -38,8 +38,6 @@ from furlong.rewards.registry import compute_rewards
 from furlong.rollout.filters import GroupFilter
 from furlong.types import DistContext, Group, Prompt, Sample
 
-if TYPE_CHECKING:
-    from furlong.config import Config
 
 
 class RolloutError(RuntimeError):
@@ -53,16 +51,6 @@ class RolloutSpec:
     over_sampling_batch_size: int    # prompts drawn per submitted batch
     sampling: SamplingParams         # its seed is ignored: each group derives its own
     seed: int                        # --rollout-seed
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> RolloutSpec:
-        r = cfg.rollout
-        sampling = SamplingParams(temperature=r.rollout_temperature, top_p=r.rollout_top_p, top_k=r.rollout_top_k,
-                                  max_new_tokens=r.rollout_max_response_len, stop=list(r.rollout_stop),
-                                  stop_token_ids=list(r.rollout_stop_token_ids))
-        return cls(rollout_batch_size=r.rollout_batch_size, n_samples_per_prompt=r.n_samples_per_prompt,
-                   over_sampling_batch_size=cfg.over_sampling_batch_size, sampling=sampling,
-                   seed=cfg.data.rollout_seed)
 
 
 @dataclass

@@ -35,16 +35,15 @@ from typing import Callable
 import torch
 from torch.distributed.fsdp import register_fsdp_forward_method
 
-from furlong.config import Config
-from furlong.train.batching import (move_micro_batch, num_loss_tokens, pack_micro_batch, padding_micro_batch,
-                                    response_positions, response_slices, token_loss_weights)
+from furlong.train.batching import (move_micro_batch, pack_micro_batch, padding_micro_batch, response_positions,
+                                    response_slices)
 from furlong.train.optimizer_step import finish_step
-from furlong.train.planning import optimizer_step_chunks, rank_micro_batches
 from furlong.train.distributed import all_gather_flat
 from furlong.train.fsdp import compile_enabled, compile_layers, compute_dtype, shard_model
 from furlong.train.logprobs import chunked_log_probs
 from furlong.train.losses import LossMetrics, LossParams, rl_loss, sft_loss
 from furlong.train.train_metrics import StepResult, TrainMetrics
+from furlong.train.train_spec import ActorSpec
 from furlong.train.optimizer import build_lr_scheduler, build_optimizer
 from furlong.types import DistContext, MicroBatch, TrainSample
 
@@ -70,39 +69,35 @@ LOSSES: dict[str, Callable] = {"rl": _rl, "sft": _sft}
 
 
 class Actor:
-    def __init__(self, model: torch.nn.Module, cfg: Config, ctx: DistContext, loss: str = "rl",
-                 total_steps: int | None = None, max_tokens_per_gpu: int | None = None):
+    def __init__(self, model: torch.nn.Module, spec: ActorSpec, ctx: DistContext, loss: str = "rl",
+                 max_tokens_per_gpu: int | None = None):
         """`model`: the unsharded policy (any device/dtype; it is sharded in place, fp32 masters).
+        `spec`: specs.actor_spec(cfg) for a run.
 
-        total_steps: optimizer steps of the run for the LR schedule (default from the flags).
         max_tokens_per_gpu: the budget when --max-tokens-per-gpu is auto (memory_probe), or
         set `actor.max_tokens_per_gpu` after construction (the probe needs the sharded model).
         """
         if loss not in LOSSES:
             raise ValueError(f"Actor: unknown loss {loss!r} ({', '.join(LOSSES)})")
-        self.cfg, self.ctx = cfg, ctx
+        self.spec, self.ctx = spec, ctx
         self.loss_fn = LOSSES[loss]
-        self.loss_params = LossParams.from_config(cfg)
-        self.param_dtype = compute_dtype(ctx.device, cfg.parallel.dtype)
-        ref = copy.deepcopy(model) if cfg.algo.use_kl_loss or cfg.algo.kl_coef > 0 else None
-        model.gradient_checkpointing = cfg.batch.gradient_checkpointing
+        self.param_dtype = compute_dtype(ctx.device, spec.shard.dtype)
+        ref = copy.deepcopy(model) if spec.use_ref_model else None
+        model.gradient_checkpointing = spec.shard.gradient_checkpointing
         self.model = self._shard(model)
         self.model.train()
         self.ref_model = None
         if ref is not None:
             ref.requires_grad_(False)
             self.ref_model = self._shard(ref).eval()
-        self.optimizer = build_optimizer(self.model, cfg.optim)
-        if total_steps is None:
-            kept = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
-            total_steps = max(cfg.rollout.num_rollout, 1) * self.num_optimizer_steps(kept)
-        self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, total_steps)
+        self.optimizer = build_optimizer(self.model, spec.optim)
+        self.scheduler = build_lr_scheduler(self.optimizer, spec.optim, spec.total_steps)
         # under --max-tokens-per-gpu auto: the caller's stand-in budget (run set-up passes CPU_DEFAULT_TOKENS,
         # which the probe's trial steps need) until it sets memory_probe.probe_max_tokens(actor); None without one
-        self.max_tokens_per_gpu = max_tokens_per_gpu if max_tokens_per_gpu is not None else cfg.max_tokens_per_gpu
+        self.max_tokens_per_gpu = max_tokens_per_gpu if max_tokens_per_gpu is not None else spec.steps.max_tokens_per_gpu
 
     def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
-        if compile_enabled(self.cfg.parallel.torch_compile, self.ctx.device):
+        if compile_enabled(self.spec.shard.torch_compile, self.ctx.device):
             compile_layers(model)
         shard_model(model, self.ctx, self.param_dtype)
         # forward_packed is not __call__: route it through FSDP's unshard/reshard hooks
@@ -111,30 +106,17 @@ class Actor:
 
     # ------------------------------------------------------------------ planning
 
-    def num_optimizer_steps(self, num_samples: int) -> int:
-        b = self.cfg.batch
-        if b.num_steps_per_rollout is not None:
-            return b.num_steps_per_rollout
-        if b.global_batch_size is None:
-            return 1
-        return max(num_samples // b.global_batch_size, 1)
-
     def reuses_old_log_probs(self, num_samples: int) -> bool:
         """True when train_step takes old log-probs from its own forward (no separate pass needed)."""
-        one_step = self.num_optimizer_steps(num_samples) == 1
-        flag = self.cfg.algo.skip_actor_forward_only
+        one_step = self.spec.steps.num_optimizer_steps(num_samples) == 1
+        flag = self.spec.skip_actor_forward_only
         if flag and not one_step:
             raise ValueError("--skip-actor-forward-only: only exact with one optimizer step per rollout")
         return one_step if flag is None else flag
 
     def _plan_ranks(self, lengths: list[int]) -> tuple[list[list[int]], list[list[list[int]]]]:
         """Rank split and, per rank, micro-batches as indices into `lengths` (same on every rank)."""
-        b = self.cfg.batch
-        if b.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
-            raise ValueError("--max-tokens-per-gpu: auto budget not probed yet "
-                             "(set actor.max_tokens_per_gpu = memory_probe.probe_max_tokens(actor))")
-        return rank_micro_batches(lengths, self.ctx.world_size,
-                                  self.max_tokens_per_gpu if b.use_dynamic_batch_size else None, b.micro_batch_size)
+        return self.spec.steps.plan(lengths, self.ctx.world_size, self.max_tokens_per_gpu)
 
     # ------------------------------------------------------------------ forward
 
@@ -150,9 +132,9 @@ class Actor:
             hidden = model.forward_packed(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
         weight = model.output_weight  # the root stays unsharded after forward (fsdp.py)
         logp, ent = chunked_log_probs(hidden.index_select(0, positions), weight.to(hidden.dtype),
-                                      mb.targets.index_select(0, positions), self.cfg.rollout.rollout_temperature,
+                                      mb.targets.index_select(0, positions), self.spec.temperature,
                                       LOGPROB_CHUNK, with_entropy,
-                                      compiled=compile_enabled(self.cfg.parallel.torch_compile, hidden.device))
+                                      compiled=compile_enabled(self.spec.shard.torch_compile, hidden.device))
         spread = lambda x: torch.zeros(mb.num_tokens, dtype=x.dtype, device=x.device).index_copy(0, positions, x)  # noqa: E731
         return spread(logp), None if ent is None else spread(ent)
 
@@ -199,13 +181,12 @@ class Actor:
         if not samples:
             raise ValueError("train_step: no samples")
         t0 = time.perf_counter()
-        b = self.cfg.batch
-        chunks = optimizer_step_chunks(len(samples), b.global_batch_size, b.num_steps_per_rollout)
+        chunks = self.spec.steps.step_chunks(len(samples))
         reuse = self.reuses_old_log_probs(len(samples))
         if not reuse and any(s.old_log_probs is None for s in samples):
             old = self.compute_log_probs(samples, "old")
             samples = [dataclasses.replace(s, old_log_probs=o) for s, o in zip(samples, old)]
-        if self.loss_params.use_kl_loss and any(s.ref_log_probs is None for s in samples):
+        if self.spec.loss.use_kl_loss and any(s.ref_log_probs is None for s in samples):
             ref = self.compute_log_probs(samples, "ref")
             samples = [dataclasses.replace(s, ref_log_probs=r) for s, r in zip(samples, ref)]
         steps = [self._optimizer_step([samples[i] for i in idx]) for idx in chunks]
@@ -224,16 +205,12 @@ class Actor:
         )
 
     def _optimizer_step(self, samples: list[TrainSample]) -> "StepResult":
-        cfg, ctx = self.cfg, self.ctx
+        ctx = self.ctx
         lengths = [s.num_tokens for s in samples]
         split, plans = self._plan_ranks(lengths)
         mine, num_mb = plans[ctx.rank], max(len(p) for p in plans)
         # global aggregation, known locally because every rank holds all of the step's samples
-        mode = cfg.algo.loss_agg_mode
-        per_token = cfg.algo.calculate_per_token_loss or mode == "token-mean"
-        constant = cfg.rollout.rollout_max_response_len if mode == "seq-mean-token-sum-norm" else None
-        weights = token_loss_weights(samples, len(samples), per_token,
-                                     num_loss_tokens(samples) if per_token else 0, constant)
+        weights = self.spec.steps.loss_weights(samples)
         has_old = samples[0].old_log_probs is not None
         has_ref = samples[0].ref_log_probs is not None
         # entropy is always reported; it carries gradient only with --entropy-coef
@@ -248,13 +225,13 @@ class Actor:
             positions = response_positions(response_slices(mb, samples)).to(ctx.device, non_blocking=True)
             mb = move_micro_batch(mb, ctx.device)
             logp, ent = self._log_probs(self.model, mb, positions, with_entropy)
-            if self.loss_params.entropy_coef == 0 and ent is not None:
+            if self.spec.loss.entropy_coef == 0 and ent is not None:
                 ent = ent.detach()
-            loss, metrics = self.loss_fn(mb, logp, ent, self.loss_params)
+            loss, metrics = self.loss_fn(mb, logp, ent, self.spec.loss)
             loss.backward()
             total = total + metrics
         host, norm, lr = finish_step(self.model, self.optimizer, self.scheduler, total.stacked(),
-                                     cfg.optim.clip_grad, ctx.world_size, "actor")
+                                     self.spec.optim.clip_grad, ctx.world_size, "actor")
         rank_tokens = [sum(lengths[i] for i in idx) for idx in split]
         mean_tokens = sum(rank_tokens) / len(rank_tokens)
         return StepResult(

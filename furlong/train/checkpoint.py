@@ -107,8 +107,9 @@ def _rank() -> int:
 
 
 def save_checkpoint(save_dir: str | os.PathLike, actor: Any, rollout_id: int,
-                    sampler_state: dict[str, Any] | None = None) -> Path:
-    """Save after `rollout_id` finished; every rank must call. Returns the iter_* directory."""
+                    sampler_state: dict[str, Any] | None = None, source: str | None = None) -> Path:
+    """Save after `rollout_id` finished; every rank must call. Returns the iter_* directory.
+    `source`: the HF checkpoint the run started from, recorded so `furlong export` needs no --hf-checkpoint."""
     rank = _rank()
     _test_hook("before_save", rollout_id + 1)
     final = iter_dir(save_dir, rollout_id)
@@ -124,9 +125,8 @@ def save_checkpoint(save_dir: str | os.PathLike, actor: Any, rollout_id: int,
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         torch.save(_rng_state(), tmp / f"trainer_rank{rank}.pt")
         if rank == 0:
-            hf = getattr(getattr(getattr(actor, "cfg", None), "data", None), "hf_checkpoint", None)
             torch.save({"scheduler": actor.scheduler.state_dict(), "sampler": sampler_state or {},
-                        "rollout_id": rollout_id, "hf_checkpoint": hf}, tmp / "trainer.pt")
+                        "rollout_id": rollout_id, "hf_checkpoint": source}, tmp / "trainer.pt")
     except (OSError, RuntimeError, dcp.api.CheckpointException) as e:
         raise _save_failed(e, tmp, save_dir) from e
     _test_hook("mid_save", rollout_id + 1)

@@ -11,7 +11,7 @@ Per rollout, in miles' order (the critic before the actor):
 
 The critic's optimizer is the actor's (--optimizer, betas, weight decay, --clip-grad, decay
 style) with its own --critic-lr (default --lr) and --critic-lr-warmup-iters: miles swaps
-exactly these two into the critic's arguments. Its weights start from
+exactly these two into the critic's arguments (specs.critic_spec). Its weights start from
 --critic-hf-checkpoint (default --hf-checkpoint) with a fresh value head (models/value_model.py).
 """
 from __future__ import annotations
@@ -24,16 +24,14 @@ from pathlib import Path
 import torch
 from torch.distributed.fsdp import register_fsdp_forward_method
 
-from furlong.config import Config, OptimConfig
 from furlong.models.value_model import ValueModel
-from furlong.train.batching import (move_micro_batch, pack_micro_batch, padding_micro_batch, response_slices,
-                                    step_loss_weights)
+from furlong.train.batching import move_micro_batch, pack_micro_batch, padding_micro_batch, response_slices
 from furlong.train.distributed import all_gather_flat
 from furlong.train.fsdp import compile_enabled, compile_layers, compute_dtype, shard_model
 from furlong.train.optimizer import build_lr_scheduler, build_optimizer
 from furlong.train.optimizer_step import finish_step
-from furlong.train.planning import optimizer_step_chunks, rank_micro_batches
 from furlong.train.train_metrics import CriticMetrics
+from furlong.train.train_spec import CriticSpec
 from furlong.train.value_loss import ValueLossMetrics, explained_variance, value_loss
 from furlong.types import DistContext, MicroBatch, TrainSample
 
@@ -47,59 +45,24 @@ class CriticStep:
     lr: float                     # the learning rate the step used
 
 
-def critic_optim_config(cfg: Config) -> OptimConfig:
-    """The actor's optimizer settings with --critic-lr and --critic-lr-warmup-iters swapped in."""
-    a = cfg.algo
-    return dataclasses.replace(cfg.optim, lr=cfg.optim.lr if a.critic_lr is None else a.critic_lr,
-                               lr_warmup_iters=a.critic_lr_warmup_iters)
-
-
-def steps_per_rollout(cfg: Config, num_samples: int) -> int:
-    """Optimizer steps a rollout of `num_samples` kept samples takes (the LR schedule's count)."""
-    b = cfg.batch
-    if b.num_steps_per_rollout is not None:
-        return b.num_steps_per_rollout
-    return max(num_samples // b.global_batch_size, 1) if b.global_batch_size else 1
-
-
-def actor_schedule_steps(cfg: Config) -> int | None:
-    """The actor's LR-schedule length when it sits out the first --num-critic-only-steps rollouts,
-    so that a decaying LR still reaches --min-lr at the end (None: no warm-up, the Actor's default)."""
-    frozen = cfg.algo.num_critic_only_steps
-    if frozen == 0:
-        return None
-    kept = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
-    return max(cfg.rollout.num_rollout - frozen, 1) * steps_per_rollout(cfg, kept)
-
-
 class Critic:
-    def __init__(self, model: ValueModel, cfg: Config, ctx: DistContext, total_steps: int | None = None,
-                 max_tokens_per_gpu: int | None = None):
-        """`model`: the unsharded value model (sharded in place, fp32 masters). total_steps: the LR
-        schedule's optimizer steps (default from the flags); max_tokens_per_gpu: the budget under
-        --max-tokens-per-gpu auto (else the flag's), or set `critic.max_tokens_per_gpu` later."""
-        self.cfg, self.ctx = cfg, ctx
-        model.gradient_checkpointing = cfg.batch.gradient_checkpointing
-        if compile_enabled(cfg.parallel.torch_compile, ctx.device):
+    def __init__(self, model: ValueModel, spec: CriticSpec, ctx: DistContext, max_tokens_per_gpu: int | None = None):
+        """`model`: the unsharded value model (sharded in place, fp32 masters). max_tokens_per_gpu: the
+        budget under --max-tokens-per-gpu auto (else the spec's), or set `critic.max_tokens_per_gpu` later."""
+        self.spec, self.ctx = spec, ctx
+        model.gradient_checkpointing = spec.shard.gradient_checkpointing
+        if compile_enabled(spec.shard.torch_compile, ctx.device):
             compile_layers(model)
-        shard_model(model, ctx, compute_dtype(ctx.device, cfg.parallel.dtype))
+        shard_model(model, ctx, compute_dtype(ctx.device, spec.shard.dtype))
         register_fsdp_forward_method(model, "forward_packed")   # not __call__: needs FSDP's unshard hooks
         self.model = model.train()
-        optim_cfg = critic_optim_config(cfg)
-        self.optimizer = build_optimizer(self.model, optim_cfg)
-        if total_steps is None:
-            kept = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
-            total_steps = max(cfg.rollout.num_rollout, 1) * steps_per_rollout(cfg, kept)
-        self.scheduler = build_lr_scheduler(self.optimizer, optim_cfg, total_steps)
-        self.max_tokens_per_gpu = max_tokens_per_gpu if max_tokens_per_gpu is not None else cfg.max_tokens_per_gpu
+        self.optimizer = build_optimizer(self.model, spec.optim)
+        self.scheduler = build_lr_scheduler(self.optimizer, spec.optim, spec.total_steps)
+        self.max_tokens_per_gpu = max_tokens_per_gpu if max_tokens_per_gpu is not None else spec.steps.max_tokens_per_gpu
 
     def _plan(self, samples: list[TrainSample]) -> tuple[list[list[int]], list[list[list[int]]]]:
         """Rank split and per-rank micro-batches, the actor's planner on the same samples."""
-        b = self.cfg.batch
-        if b.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
-            raise ValueError("--max-tokens-per-gpu: auto budget not set on the critic yet")
-        return rank_micro_batches([s.num_tokens for s in samples], self.ctx.world_size,
-                                  self.max_tokens_per_gpu if b.use_dynamic_batch_size else None, b.micro_batch_size)
+        return self.spec.steps.plan([s.num_tokens for s in samples], self.ctx.world_size, self.max_tokens_per_gpu)
 
     def _values(self, mb: MicroBatch) -> torch.Tensor:
         """Values [T] fp32 at every packed position of mb (already on the device)."""
@@ -135,9 +98,7 @@ class Critic:
         if any(s.values is None or s.returns is None for s in samples):
             raise ValueError("Critic.train_step: samples need values and returns (build_train_samples with a critic)")
         t0 = time.perf_counter()
-        b = self.cfg.batch
-        chunks = optimizer_step_chunks(len(samples), b.global_batch_size, b.num_steps_per_rollout)
-        steps = [self._optimizer_step([samples[i] for i in idx]) for idx in chunks]
+        steps = [self._optimizer_step([samples[i] for i in idx]) for idx in self.spec.steps.step_chunks(len(samples))]
         finite = [st for st in steps if math.isfinite(st.grad_norm)] or steps
         masks = [s.loss_mask if s.loss_mask is not None else torch.ones(s.num_response_tokens) for s in samples]
         return CriticMetrics(
@@ -155,11 +116,10 @@ class Critic:
         return out
 
     def _optimizer_step(self, samples: list[TrainSample]) -> "CriticStep":
-        cfg, ctx = self.cfg, self.ctx
+        spec, ctx = self.spec, self.ctx
         split, plans = self._plan(samples)
         mine, num_mb = plans[ctx.rank], max(len(p) for p in plans)
-        weights = step_loss_weights(samples, cfg.algo.loss_agg_mode, cfg.algo.calculate_per_token_loss,
-                                    cfg.rollout.rollout_max_response_len)
+        weights = spec.steps.loss_weights(samples)
         total = ValueLossMetrics.zeros(ctx.device)
         self.optimizer.zero_grad(set_to_none=True)
         for k in range(num_mb):
@@ -169,43 +129,19 @@ class Critic:
             old, returns = self._packed(mb, samples, "values"), self._packed(mb, samples, "returns")
             mb = move_micro_batch(mb, ctx.device)
             loss, metrics = value_loss(self._values(mb), old.to(ctx.device), returns.to(ctx.device),
-                                       mb.loss_weight, cfg.algo.value_clip)
+                                       mb.loss_weight, spec.value_clip)
             loss.backward()
             total = total + metrics
         host, norm, lr = finish_step(self.model, self.optimizer, self.scheduler, total.stacked(),
-                                     cfg.optim.clip_grad, ctx.world_size, "critic")
+                                     spec.optim.clip_grad, ctx.world_size, "critic")
         return CriticStep(ValueLossMetrics(*(torch.tensor(v) for v in host)), norm, lr)
 
 
-def check_critic_inputs(cfg: Config, vocab_size: int, resume_iteration: int | None) -> Path:
-    """Run set-up's input checks for the critic (nothing written yet; ValueError naming the flag):
-    the HF checkpoint it starts from (returned), which must share the actor's vocabulary since it
-    reads the actor's token ids; on resume, its checkpoint of the actor's iteration; --critic-save."""
-    from furlong.models.hf_config import ModelArgs
-    from furlong.preflight import check_checkpoint_dir, check_writable
-    from furlong.train.critic_checkpoint import check_critic_resume, critic_save_dir
-    path = check_checkpoint_dir(cfg.data.hf_checkpoint)
-    if cfg.algo.critic_hf_checkpoint is not None:
-        try:
-            path = check_checkpoint_dir(cfg.algo.critic_hf_checkpoint)
-        except ValueError as e:
-            raise ValueError(str(e).replace("--hf-checkpoint", "--critic-hf-checkpoint", 1)) from e
-        critic_vocab = ModelArgs.from_dir(path).vocab_size
-        if critic_vocab != vocab_size:
-            raise ValueError(f"--critic-hf-checkpoint: vocab_size {critic_vocab} differs from the --hf-checkpoint "
-                             f"model's {vocab_size} (the critic reads the actor's token ids)")
-    if resume_iteration is not None:
-        check_critic_resume(cfg, resume_iteration)
-    if critic_save_dir(cfg) is not None:
-        check_writable(critic_save_dir(cfg), "--critic-save")
-    return path
-
-
-def build_critic(cfg: Config, ctx: DistContext, checkpoint_dir: Path,
+def build_critic(spec: CriticSpec, ctx: DistContext, checkpoint_dir: Path,
                  max_tokens_per_gpu: int | None = None) -> Critic:
     """The critic of a ppo run: the decoder of `checkpoint_dir` (checked by run set-up) with a value
-    head seeded by --seed, so every rank and world size starts from the same head."""
+    head seeded by spec.head_seed, so every rank and world size starts from the same head."""
     from furlong.models.hf_io import load_pretrained
     decoder = load_pretrained(checkpoint_dir, dtype=torch.float32, device=ctx.device)
-    head_seed = torch.Generator().manual_seed(cfg.parallel.seed)
-    return Critic(ValueModel(decoder, head_seed), cfg, ctx, max_tokens_per_gpu=max_tokens_per_gpu)
+    head_seed = torch.Generator().manual_seed(spec.head_seed)
+    return Critic(ValueModel(decoder, head_seed), spec, ctx, max_tokens_per_gpu=max_tokens_per_gpu)

@@ -16,43 +16,28 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from furlong.config import Config
 from furlong.train.checkpoint import SaveError, iter_dir, load_checkpoint, save_checkpoint
 
-SUFFIX = "_critic"
 
-
-def critic_save_dir(cfg: Config) -> str | None:
-    if cfg.algo.critic_save is not None or cfg.ckpt.save is None:
-        return cfg.algo.critic_save
-    return cfg.ckpt.save.rstrip("/") + SUFFIX
-
-
-def critic_load_dir(cfg: Config) -> str | None:
-    if cfg.algo.critic_load is not None or cfg.ckpt.load is None:
-        return cfg.algo.critic_load
-    return cfg.ckpt.load.rstrip("/") + SUFFIX
-
-
-def check_critic_resume(cfg: Config, iteration: int) -> None:
+def check_critic_resume(critic_load: str, iteration: int) -> None:
     """ValueError naming --critic-load unless it holds the critic of the actor's iteration `iteration`."""
-    path = iter_dir(critic_load_dir(cfg), iteration - 1)
+    path = iter_dir(critic_load, iteration - 1)
     if not (path / "trainer.pt").is_file():
         raise ValueError(f"--critic-load: no critic checkpoint {path} for iteration {iteration} of --load "
                          f"(a ppo run saves its critic beside the actor's checkpoints)")
 
 
-def save_critic(cfg: Config, critic, rollout_id: int) -> Path:
-    """Save the critic after `rollout_id` (every rank calls; before the actor's save, see above)."""
+def save_critic(critic_save: str, critic, rollout_id: int) -> Path:
+    """Save the critic after `rollout_id` into `critic_save` (every rank calls; before the actor's save, see above)."""
     try:
-        return save_checkpoint(critic_save_dir(cfg), critic, rollout_id)
+        return save_checkpoint(critic_save, critic, rollout_id)
     except SaveError as e:
         raise SaveError(str(e).replace("--save:", "--critic-save:", 1)) from e
 
 
-def load_critic(cfg: Config, critic, iteration: int) -> None:
-    """Restore the critic of the actor's iteration `iteration` (every rank calls)."""
+def load_critic(critic_load: str, critic, iteration: int) -> None:
+    """Restore the critic of the actor's iteration `iteration` from `critic_load` (every rank calls)."""
     try:
-        load_checkpoint(critic_load_dir(cfg), critic, iteration)
+        load_checkpoint(critic_load, critic, iteration)
     except ValueError as e:
         raise ValueError(str(e).replace("--load:", "--critic-load:", 1)) from e

@@ -30,14 +30,12 @@ the trainer can reduce them with one collective and sync once per step.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from furlong.types import MicroBatch
 
-if TYPE_CHECKING:
-    from furlong.config import Config
 
 # log-ratio clamp before exp(): keeps ratios finite for wildly off-policy tokens (as miles).
 LOG_RATIO_CLAMP = 20.0
@@ -125,7 +123,7 @@ def sequence_mean_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, cu_seql
 @dataclass
 class LossParams:
     """Loss hyper-parameters (the --eps-clip ... --tis-clip flags); no defaults here: config.AlgoConfig
-    holds them, and `from_config` is the one way from the flags to these."""
+    holds them, and specs.loss_params is the one way from the flags to these."""
     eps_clip: float
     eps_clip_high: float
     eps_clip_c: float | None             # dual clip (None: off)
@@ -138,15 +136,6 @@ class LossParams:
     tis_clip_low: float
     use_unbiased_kl: bool
     sequence_ratio: bool                 # GSPO
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> LossParams:
-        a = cfg.algo
-        return cls(eps_clip=a.eps_clip, eps_clip_high=cfg.eps_clip_high, eps_clip_c=a.eps_clip_c,
-                   use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
-                   entropy_coef=a.entropy_coef, use_tis=a.use_tis, tis_clip=a.tis_clip,
-                   tis_clip_low=a.tis_clip_low, use_unbiased_kl=a.use_unbiased_kl,
-                   sequence_ratio=a.advantage_estimator == "gspo")
 
 
 @dataclass

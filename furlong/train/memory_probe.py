@@ -78,7 +78,7 @@ def _measure(actor: Any, num_tokens: int) -> int:
     torch.cuda.reset_peak_memory_stats()
     positions = torch.arange(num_tokens - 1, device=actor.ctx.device)   # one prompt token: the rest is response
     logp, ent = actor._log_probs(actor.model, mb, positions, with_entropy=True)
-    loss, _ = actor.loss_fn(mb, logp, ent.detach(), actor.loss_params)
+    loss, _ = actor.loss_fn(mb, logp, ent.detach(), actor.spec.loss)
     loss.backward()
     with torch.no_grad():
         actor._log_probs(actor.model, mb, positions, with_entropy=False)

@@ -6,10 +6,10 @@ critic's iter_N is written BEFORE the actor's, so a complete actor iter_N implie
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from furlong.config import Config
 from furlong.train.checkpoint import ResumeState, load_checkpoint, save_checkpoint
 from furlong.train.critic_checkpoint import load_critic, save_critic
 
@@ -19,18 +19,29 @@ if TYPE_CHECKING:
     from furlong.train.critic import Critic
 
 
-def save_run(cfg: Config, actor: Actor, critic: Critic | None, dataset: PromptDataset, rollout_id: int) -> Path:
+@dataclass(frozen=True)
+class CheckpointPaths:
+    """Where a run saves and resumes (specs.checkpoint_paths resolves the critic's defaults)."""
+    save: str | None                 # --save: the actor's checkpoints (None: never saved)
+    load: str | None                 # --load: the run to resume
+    critic_save: str | None          # --critic-save (default --save + "_critic")
+    critic_load: str | None          # --critic-load (default --load + "_critic")
+    source: str | None               # --hf-checkpoint, recorded in the actor's checkpoints for `furlong export`
+
+
+def save_run(paths: CheckpointPaths, actor: Actor, critic: Critic | None, dataset: PromptDataset,
+             rollout_id: int) -> Path:
     """Save after `rollout_id` into --save (every rank calls); returns the actor's iter_* directory."""
     if critic is not None:
-        save_critic(cfg, critic, rollout_id)
-    return save_checkpoint(cfg.ckpt.save, actor, rollout_id, sampler_state=dataset.state_dict())
+        save_critic(paths.critic_save, critic, rollout_id)
+    return save_checkpoint(paths.save, actor, rollout_id, sampler_state=dataset.state_dict(), source=paths.source)
 
 
-def load_run(cfg: Config, actor: Actor, critic: Critic | None, dataset: PromptDataset,
+def load_run(paths: CheckpointPaths, actor: Actor, critic: Critic | None, dataset: PromptDataset,
              iteration: int) -> ResumeState:
     """Restore iteration `iteration` of --load (checked by run set-up) into actor, critic and dataset."""
-    state = load_checkpoint(cfg.ckpt.load, actor, iteration)
+    state = load_checkpoint(paths.load, actor, iteration)
     if critic is not None:
-        load_critic(cfg, critic, iteration)
+        load_critic(paths.critic_load, critic, iteration)
     dataset.load_state_dict(state.sampler_state)
     return state

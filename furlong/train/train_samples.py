@@ -14,63 +14,76 @@ returns (unwhitened) that the critic trains on.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from furlong.config import Config
 from furlong.train.advantages import AdvantageInputs, AdvantageParams, get_estimator, whiten
 from furlong.train.losses import kl_penalty
 from furlong.train.shaping import overlong_penalty
 from furlong.types import Group, TrainSample
 
 
-def shaped_rewards(groups: list[Group], cfg: Config) -> torch.Tensor:
+@dataclass(frozen=True)
+class SampleSpec:
+    """The algorithm flags that turn kept groups into trainer samples (specs.sample_spec)."""
+    advantage_estimator: str         # advantages.get_estimator's name
+    use_rollout_logprobs: bool       # old log-probs from the engine
+    use_kl_loss: bool                # reference log-probs for the KL loss
+    kl_coef: float                   # > 0: KL penalty folded into the token rewards
+    kl_loss_type: str                # estimator of that penalty (k1 | k2 | k3 | low_var_kl)
+    normalize_advantages: bool       # whiten over the global batch
+    overlong_buffer_len: int | None  # DAPO overlong shaping (None: off)
+    overlong_penalty_factor: float
+    max_response_len: int            # tokens (--rollout-max-response-len)
+    advantage: AdvantageParams
+
+
+def shaped_rewards(groups: list[Group], spec: SampleSpec) -> torch.Tensor:
     """[G, n] rewards after DAPO's overlong penalty (when --overlong-buffer-len is set)."""
-    a, max_len = cfg.algo, cfg.rollout.rollout_max_response_len
+    max_len = spec.max_response_len
     rows = []
     for g in groups:
         row = []
         for s in g.samples:
             r = float(s.reward)
-            if a.overlong_buffer_len is not None:
-                r += overlong_penalty(len(s.response_ids), max_len, a.overlong_buffer_len, a.overlong_penalty_factor)
+            if spec.overlong_buffer_len is not None:
+                r += overlong_penalty(len(s.response_ids), max_len, spec.overlong_buffer_len,
+                                      spec.overlong_penalty_factor)
             row.append(r)
         rows.append(row)
     return torch.tensor(rows, dtype=torch.float32)
 
 
-def build_train_samples(groups: list[Group], cfg: Config, actor, critic=None) -> list[TrainSample]:
+def build_train_samples(groups: list[Group], spec: SampleSpec, actor, critic=None) -> list[TrainSample]:
     """Samples with advantages and the log-probs the loss needs (module docstring); `critic`
     (train/critic.py) is needed by ppo and adds values and returns."""
-    a = cfg.algo
     samples = [TrainSample(token_ids=torch.tensor(s.prompt.token_ids + s.response_ids, dtype=torch.long),
                            num_prompt_tokens=len(s.prompt.token_ids),
                            advantages=torch.zeros(len(s.response_ids)),
                            rollout_log_probs=torch.tensor(s.rollout_log_probs, dtype=torch.float32))
                for g in groups for s in g.samples]
-    kl_in_reward = a.kl_coef > 0
-    if a.use_rollout_logprobs:
+    kl_in_reward = spec.kl_coef > 0
+    if spec.use_rollout_logprobs:
         for s in samples:
             s.old_log_probs = s.rollout_log_probs
     elif kl_in_reward or not actor.reuses_old_log_probs(len(samples)):
         for s, lp in zip(samples, actor.compute_log_probs(samples, which="old")):
             s.old_log_probs = lp
-    if a.use_kl_loss or kl_in_reward:
+    if spec.use_kl_loss or kl_in_reward:
         for s, lp in zip(samples, actor.compute_log_probs(samples, which="ref")):
             s.ref_log_probs = lp
 
     masks = [torch.ones(s.num_response_tokens) for s in samples]
     kl = None
     if kl_in_reward:
-        kl = [kl_penalty(s.old_log_probs, s.ref_log_probs, a.kl_loss_type) for s in samples]
+        kl = [kl_penalty(s.old_log_probs, s.ref_log_probs, spec.kl_loss_type) for s in samples]
     values = critic.compute_values(samples) if critic is not None else None
-    inputs = AdvantageInputs(rewards=shaped_rewards(groups, cfg), response_masks=masks, kl=kl, values=values)
-    params = AdvantageParams(normalize_std=not a.disable_grpo_std_normalization,
-                             normalize_rewards=not a.disable_rewards_normalization, kl_coef=a.kl_coef,
-                             gamma=a.gamma, lambd=a.lambd)
-    advantages, returns = get_estimator(a.advantage_estimator)(inputs, params)
+    inputs = AdvantageInputs(rewards=shaped_rewards(groups, spec), response_masks=masks, kl=kl, values=values)
+    advantages, returns = get_estimator(spec.advantage_estimator)(inputs, spec.advantage)
     # miles requires whitening for the reinforce_plus_plus family (its returns are not centred);
     # furlong applies it for them whether or not --normalize-advantages is given.
-    if a.normalize_advantages or a.advantage_estimator.startswith("reinforce_plus_plus"):
+    if spec.normalize_advantages or spec.advantage_estimator.startswith("reinforce_plus_plus"):
         advantages = whiten(advantages, masks, None)
     for s, adv in zip(samples, advantages):
         s.advantages = adv.float()
