@@ -6,6 +6,7 @@ names; "idle" is the step's wall time minus the union of kernel intervals (host 
 launches, syncs). Also times the step unprofiled (the median of 3).
 
     python3 bench/profile_train.py [--out DIR] [--label NAME] [--budget 32768] [--recompute]
+                                   [--reshard-after-forward]
 Writes DIR/profile_train_NAME.json.
 """
 from __future__ import annotations
@@ -65,10 +66,17 @@ def main() -> None:
     ap.add_argument("--label", default="baseline")
     ap.add_argument("--budget", type=int, default=32768)
     ap.add_argument("--recompute", action="store_true")
+    ap.add_argument("--reshard-after-forward", action="store_true",
+                    help="FSDP's default: re-gather each layer in backward and per micro-batch")
     a = ap.parse_args()
     b = Bench(load_workload(Path(__file__).with_name("seed_workload.json")))
-    if a.recompute:
-        b.config = (lambda orig: lambda **kw: orig(**{"gradient_checkpointing": True, **kw}))(b.config)
+    base_config = b.config
+
+    def config(**kw):
+        cfg = base_config(**{"gradient_checkpointing": a.recompute, **kw})
+        cfg.parallel.fsdp_reshard_after_forward = a.reshard_after_forward
+        return cfg
+    b.config = config
     actor, samples, dev = b.actor(), b.train_samples(), b.device
     actor.max_tokens_per_gpu = a.budget
     num_tokens = sum(s.num_tokens for s in samples)
@@ -105,6 +113,7 @@ def main() -> None:
         counts[e.name[:120]] += 1
     busy_ms = _busy_us(intervals) / 1000
     res = {"label": a.label, "num_tokens": num_tokens, "budget": a.budget, "recompute": a.recompute,
+           "reshard_after_forward": a.reshard_after_forward,
            "num_micro_batches": tm.num_micro_batches, "step_s_median3": step_s, "step_s_all": times,
            "tok_per_s": num_tokens / step_s, "peak_gib": peak, "profiled_wall_ms": prof_wall * 1000,
            "gpu_busy_ms": busy_ms, "gpu_idle_ms": prof_wall * 1000 - busy_ms,

@@ -153,6 +153,9 @@ class ParallelConfig:
     device: str = flag("auto", "auto | cpu | cuda")
     dtype: str = flag("auto", "compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32")
     torch_compile: str = flag("auto", "compile the trainer's decoder layers and log-prob kernels: auto (on CUDA) | on | off")
+    fsdp_reshard_after_forward: bool = flag(
+        False, "free each layer's gathered weights after its forward and re-gather them in backward and for "
+               "every micro-batch (saves one compute-dtype copy of the model per rank; slower)")
     seed: int = flag(1234, "trainer seed")
 
 

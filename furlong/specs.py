@@ -25,7 +25,8 @@ from furlong.train.train_spec import ActorSpec, CriticSpec, ShardSpec, StepSpec
 def shard_spec(cfg: Config) -> ShardSpec:
     p = cfg.parallel
     return ShardSpec(dtype=p.dtype, torch_compile=p.torch_compile,
-                     gradient_checkpointing=cfg.batch.gradient_checkpointing)
+                     gradient_checkpointing=cfg.batch.gradient_checkpointing,
+                     reshard_after_forward=p.fsdp_reshard_after_forward)
 
 
 def step_spec(cfg: Config) -> StepSpec:

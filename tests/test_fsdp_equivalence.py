@@ -6,6 +6,11 @@ sample over the budget) must produce the same gradients, metrics and AdamW-
 updated weights as one process with --micro-batch-size 1, in both aggregation
 modes. A third scenario trains on a single sample, so one rank has no sample
 at all and must still join every collective (no deadlock, same result).
+"two_steps" splits the batch into two optimizer steps, with old and ref log-prob
+forwards first: the two ranks keep each layer's gathered weights across
+micro-batches (the default), the one process re-gathers them for every forward
+and backward (--fsdp-reshard-after-forward, FSDP's own behaviour), so a gathered
+copy left stale across an optimizer step or a no-grad forward would show.
 
 Gradient scale matters: Adam's first update is ~lr*sign(g), blind to a factor
 2 (mean instead of sum over ranks), so gradients and the pre-clip grad norm
@@ -40,7 +45,11 @@ SCENARIOS = {
                    "kl_loss_coef": 0.1, "kl_loss_type": "low_var_kl", "skip_actor_forward_only": False},
                   len(LENGTHS)),
     "one_sample": ({"clip_grad": 0.0}, 1),
+    "two_steps": ({"clip_grad": 0.0, "global_batch_size": 5, "use_kl_loss": True, "kl_loss_coef": 0.1,
+                   "kl_loss_type": "low_var_kl"}, len(LENGTHS)),
 }
+# overrides of the one-process reference only
+REFERENCE_ONLY = {"two_steps": {"fsdp_reshard_after_forward": True}}
 
 
 def run_scenario(ckpt: str, name: str, distributed: bool) -> dict:
@@ -50,7 +59,7 @@ def run_scenario(ckpt: str, name: str, distributed: bool) -> dict:
     if distributed:
         cfg = tiny_config(use_dynamic_batch_size=True, max_tokens_per_gpu=str(MAX_TOKENS), **overrides)
     else:
-        cfg = tiny_config(micro_batch_size=1, **overrides)
+        cfg = tiny_config(micro_batch_size=1, **overrides, **REFERENCE_ONLY.get(name, {}))
     actor = Actor(load_pretrained(ckpt), actor_spec(cfg), ctx)
     grads = capture_grads(actor)
     metrics = actor.train_step(synthetic_samples(LENGTHS[:num]))
@@ -91,3 +100,16 @@ def test_two_ranks_match_one_process(name, tiny_ckpt, two_rank_results):
         torch.testing.assert_close(got["grads"][n], g, rtol=1e-4, atol=1e-5 * scale, msg=n)
     for n, w in ref["weights"].items():
         torch.testing.assert_close(got["weights"][n], w, rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_no_grad_forward_leaves_weights_sharded(tiny_ckpt):
+    """Gathered layers are kept across micro-batches, but a log-prob forward (no backward to reshard
+    them) must end with every parameter the sharded fp32 DTensor that weight sync and checkpoints read."""
+    from torch.distributed.tensor import DTensor
+
+    ctx = init_distributed("cpu")
+    cfg = tiny_config(use_dynamic_batch_size=True, max_tokens_per_gpu=str(MAX_TOKENS))
+    actor = Actor(load_pretrained(str(tiny_ckpt)), actor_spec(cfg), ctx)
+    actor.compute_log_probs(synthetic_samples(LENGTHS))
+    bad = [n for n, p in actor.model.named_parameters() if not isinstance(p, DTensor) or p.dtype != torch.float32]
+    assert not bad, bad[:3]

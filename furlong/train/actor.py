@@ -39,7 +39,7 @@ from furlong.train.batching import (move_micro_batch, pack_micro_batch, padding_
                                     response_slices)
 from furlong.train.optimizer_step import finish_step
 from furlong.train.distributed import all_gather_flat
-from furlong.train.fsdp import compile_enabled, compile_layers, compute_dtype, shard_model
+from furlong.train.fsdp import compile_enabled, compile_layers, compute_dtype, micro_batch_sync, reshard_all, shard_model
 from furlong.train.logprobs import chunked_log_probs
 from furlong.train.losses import LossMetrics, LossParams, rl_loss, sft_loss
 from furlong.train.train_metrics import StepResult, TrainMetrics
@@ -99,7 +99,7 @@ class Actor:
     def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
         if compile_enabled(self.spec.shard.torch_compile, self.ctx.device):
             compile_layers(model)
-        shard_model(model, self.ctx, self.param_dtype)
+        shard_model(model, self.ctx, self.param_dtype, reshard_after_forward=self.spec.shard.reshard_after_forward)
         # forward_packed is not __call__: route it through FSDP's unshard/reshard hooks
         register_fsdp_forward_method(model, "forward_packed")
         return model
@@ -161,9 +161,9 @@ class Actor:
             logp, _ = self._log_probs(model, move_micro_batch(mb, self.ctx.device), positions, with_entropy=False)
             for i, (s, e) in zip(mb.sample_indices, slices):
                 out[i] = logp[s:e]
-        # the root module stays gathered after a forward (fsdp.py) and only a backward would
-        # reshard it; do it here so memory is freed and named_parameters() are DTensors again
-        model.reshard()
+        # the root (and, without --fsdp-reshard-after-forward, every layer) stays gathered after a
+        # forward (fsdp.py) and only a backward would reshard it
+        reshard_all(model)
         # every rank knows every rank's sample order and sizes: one gather of flat tensors
         local = [out[i] for i in split[self.ctx.rank]]
         flat = torch.cat(local) if local else torch.zeros(0, device=self.ctx.device)
@@ -218,9 +218,7 @@ class Actor:
         total = LossMetrics.zeros(ctx.device)
         self.optimizer.zero_grad(set_to_none=True)
         for k in range(num_mb):
-            # Reduce-scatter gradients once per optimizer step, after the last micro-batch; before
-            # that each rank accumulates unsharded gradients locally (one fp32 copy of the weights).
-            self.model.set_requires_gradient_sync(k == num_mb - 1)
+            micro_batch_sync(self.model, k, num_mb, self.spec.shard.reshard_after_forward)
             mb = pack_micro_batch(samples, weights, mine[k]) if k < len(mine) else padding_micro_batch(has_old, has_ref)
             positions = response_positions(response_slices(mb, samples)).to(ctx.device, non_blocking=True)
             mb = move_micro_batch(mb, ctx.device)

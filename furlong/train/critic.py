@@ -27,7 +27,7 @@ from torch.distributed.fsdp import register_fsdp_forward_method
 from furlong.models.value_model import ValueModel
 from furlong.train.batching import move_micro_batch, pack_micro_batch, padding_micro_batch, response_slices
 from furlong.train.distributed import all_gather_flat
-from furlong.train.fsdp import compile_enabled, compile_layers, compute_dtype, shard_model
+from furlong.train.fsdp import compile_enabled, compile_layers, compute_dtype, micro_batch_sync, reshard_all, shard_model
 from furlong.train.optimizer import build_lr_scheduler, build_optimizer
 from furlong.train.optimizer_step import finish_step
 from furlong.train.train_metrics import CriticMetrics
@@ -53,7 +53,8 @@ class Critic:
         model.gradient_checkpointing = spec.shard.gradient_checkpointing
         if compile_enabled(spec.shard.torch_compile, ctx.device):
             compile_layers(model)
-        shard_model(model, ctx, compute_dtype(ctx.device, spec.shard.dtype))
+        shard_model(model, ctx, compute_dtype(ctx.device, spec.shard.dtype),
+                    reshard_after_forward=spec.shard.reshard_after_forward)
         register_fsdp_forward_method(model, "forward_packed")   # not __call__: needs FSDP's unshard hooks
         self.model = model.train()
         self.optimizer = build_optimizer(self.model, spec.optim)
@@ -81,7 +82,7 @@ class Critic:
             v = self._values(move_micro_batch(mb, self.ctx.device))
             for i, (s, e) in zip(mb.sample_indices, response_slices(mb, samples)):
                 out[i] = v[s:e]
-        self.model.reshard()   # the root stays gathered after a forward (fsdp.py); free it here
+        reshard_all(self.model)   # the root and layers stay gathered after a forward (fsdp.py)
         local = [out[i] for i in split[self.ctx.rank]]
         flat = torch.cat(local) if local else torch.zeros(0, device=self.ctx.device)
         sizes = [sum(samples[i].num_response_tokens for i in idx) for idx in split]
@@ -123,8 +124,7 @@ class Critic:
         total = ValueLossMetrics.zeros(ctx.device)
         self.optimizer.zero_grad(set_to_none=True)
         for k in range(num_mb):
-            # gradients are reduce-scattered once, after the step's last micro-batch (as in the actor)
-            self.model.set_requires_gradient_sync(k == num_mb - 1)
+            micro_batch_sync(self.model, k, num_mb, spec.shard.reshard_after_forward)
             mb = pack_micro_batch(samples, weights, mine[k]) if k < len(mine) else padding_micro_batch(False, False)
             old, returns = self._packed(mb, samples, "values"), self._packed(mb, samples, "returns")
             mb = move_micro_batch(mb, ctx.device)

@@ -11,6 +11,17 @@ rank's gradient is its share of the global gradient and the shares add up.
 We set the divide factor to 1 and force plain SUM collectives (gloo has no
 PREMUL_SUM; for NCCL the two are the same at factor 1).
 
+Gathered weights across micro-batches (`reshard_after_forward=False`, the default; flag
+--fsdp-reshard-after-forward turns it off): FSDP's default frees each layer's gathered
+compute-dtype weights after its forward, gathers them again for its backward, and again for every
+micro-batch. furlong keeps them from a layer's first forward of an optimizer step to the step's
+last backward (`micro_batch_sync`): one all-gather per layer per optimizer step instead of two per
+micro-batch. The cost is one compute-dtype copy of the model per rank (2 bytes/param in bf16),
+half of the fp32 unsharded gradients each rank already accumulates between reduce-scatters. After
+the step's last backward the layers reshard, so the optimizer updates the sharded fp32 masters
+and the next forward gathers the new weights. (At one rank the "all-gather" is the fp32->bf16
+copy-in; the saving there is those copies and FSDP's per-layer hook work.)
+
 One code path: the model is wrapped at every world size, including 1
 (init_distributed always forms a process group).
 """
@@ -35,7 +46,7 @@ def compute_dtype(device: torch.device, dtype_flag: str = "auto") -> torch.dtype
 
 
 def shard_model(model: nn.Module, ctx: DistContext, param_dtype: torch.dtype,
-                reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True) -> nn.Module:
+                reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = False) -> nn.Module:
     """Shard `model` (fp32, any device) in place over all ranks of `ctx`; returns it.
 
     `model` must have a `.layers` ModuleList of decoder layers.
@@ -58,6 +69,25 @@ def shard_model(model: nn.Module, ctx: DistContext, param_dtype: torch.dtype,
         if isinstance(m, FSDPModule):
             set_sum_reduction(m)
     return model
+
+
+def micro_batch_sync(model: FSDPModule, k: int, num_micro_batches: int, reshard_after_forward: bool) -> None:
+    """Before micro-batch k of an optimizer step: gradients are reduce-scattered only after the last
+    one (until then each rank accumulates unsharded gradients); without reshard-after-forward the
+    gathered weights also stay until the last one's backward (module docstring)."""
+    last = k == num_micro_batches - 1
+    model.set_requires_gradient_sync(last)
+    if not reshard_after_forward:
+        model.set_reshard_after_backward(last)
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Free every gathered layer (FSDPModule.reshard is not recursive): after a no-grad forward,
+    which has no backward to reshard, so that memory is freed and named_parameters() are the
+    sharded fp32 DTensors again (weight sync and checkpoints read those)."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def set_sum_reduction(module: FSDPModule) -> None:

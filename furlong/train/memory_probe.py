@@ -28,6 +28,7 @@ import torch
 
 from furlong.train.batching import move_micro_batch, pack_micro_batch
 from furlong.train.distributed import all_reduce_max
+from furlong.train.fsdp import reshard_all
 from furlong.types import TrainSample
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ def _measure(actor: Any, num_tokens: int) -> int:
     loss.backward()
     with torch.no_grad():
         actor._log_probs(actor.model, mb, positions, with_entropy=False)
+    reshard_all(actor.model)   # a no-grad forward leaves the gathered weights (fsdp.py)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     actor.optimizer.zero_grad(set_to_none=True)

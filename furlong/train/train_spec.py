@@ -29,6 +29,9 @@ class ShardSpec:
     dtype: str                       # --dtype: auto | bf16 | fp32 (fsdp.compute_dtype resolves it per device)
     torch_compile: str               # --torch-compile: auto (on CUDA) | on | off
     gradient_checkpointing: bool     # recompute decoder layers in backward
+    # False: a layer's gathered weights stay from its first forward of an optimizer step to the step's
+    # last backward (fsdp.micro_batch_sync); True: FSDP's default, gathered again in every backward
+    reshard_after_forward: bool = False
 
 
 @dataclass(frozen=True)
