@@ -6,7 +6,11 @@ names; "idle" is the step's wall time minus the union of kernel intervals (host 
 launches, syncs). Also times the step unprofiled (the median of 3).
 
     python3 bench/profile_train.py [--out DIR] [--label NAME] [--budget 32768] [--recompute]
-                                   [--reshard-after-forward]
+                                   [--reshard-after-forward] [--host]
+--host also records CPU ops (with input shapes) in the profiled step and writes two tables to
+DIR/profile_train_NAME_ops.txt: ops by device time (which aten op launched the copies and fills)
+and by host time (where the GPU's idle time comes from). The profiler's own host cost inflates that
+step's idle time: read the idle figure from a run without --host.
 Writes DIR/profile_train_NAME.json.
 """
 from __future__ import annotations
@@ -68,6 +72,7 @@ def main() -> None:
     ap.add_argument("--recompute", action="store_true")
     ap.add_argument("--reshard-after-forward", action="store_true",
                     help="FSDP's default: re-gather each layer in backward and per micro-batch")
+    ap.add_argument("--host", action="store_true", help="also profile CPU ops; write the ops tables")
     a = ap.parse_args()
     b = Bench(load_workload(Path(__file__).with_name("seed_workload.json")))
     base_config = b.config
@@ -91,7 +96,10 @@ def main() -> None:
         times.append(time.perf_counter() - t)
     peak = peak_gib(dev)
     step_s = statistics.median(times)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    if a.host:
+        activities.append(torch.profiler.ProfilerActivity.CPU)
+    with torch.profiler.profile(activities=activities, record_shapes=a.host) as prof:
         torch.cuda.synchronize()
         t = time.perf_counter()
         actor.train_step(samples)
@@ -121,6 +129,13 @@ def main() -> None:
            "top_kernels_ms": {k: [round(v, 2), counts[k]] for k, v in
                               sorted(per_kernel.items(), key=lambda kv: -kv[1])[:40]}}
     Path(a.out).mkdir(parents=True, exist_ok=True)
+    if a.host:
+        by_shape = prof.key_averages(group_by_input_shape=True)
+        tables = ["ops by device time (self), grouped by input shape",
+                  by_shape.table(sort_by="self_device_time_total", row_limit=50, max_name_column_width=60),
+                  "ops by host time (self)",
+                  prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=50, max_name_column_width=60)]
+        (Path(a.out) / f"profile_train_{a.label}_ops.txt").write_text("\n\n".join(tables))
     (Path(a.out) / f"profile_train_{a.label}.json").write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1), flush=True)
 
