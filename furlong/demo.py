@@ -22,9 +22,8 @@ evals.json and draws the GRPO run (`furlong plot`) to grpo/metrics.png when matp
 
 Presets (`--device`):
 - "cpu": the above; about 10 minutes on 2 cores (seed 0: greedy 21.5% -> 31.5%, sampled 8.8% ->
-  23.1%; BENCHMARKS.md, "CPU demo"). Four optimizer steps per rollout: the sampled accuracy rises
-  at every eval; the greedy one takes most of its gain in the first 4 rollouts, while GRPO teaches
-  the \\boxed format.
+  23.1%; BENCHMARKS.md, "CPU demo"). Four optimizer steps per rollout: the sampled accuracy rose
+  at every eval but the last; the greedy one made most of its gain in the first 4 rollouts.
 - "gpu" (`--device cuda`): a 14M-parameter model, two-digit two-step problems, a few hundred GRPO
   rollouts, under ten minutes on one H200. Every SFT solution is boxed, so there is no answer
   format to learn; half of them skip the worked steps, and what GRPO can learn is to work the

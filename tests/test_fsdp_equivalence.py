@@ -101,15 +101,3 @@ def test_two_ranks_match_one_process(name, tiny_ckpt, two_rank_results):
     for n, w in ref["weights"].items():
         torch.testing.assert_close(got["weights"][n], w, rtol=1e-5, atol=1e-7, msg=n)
 
-
-def test_no_grad_forward_leaves_weights_sharded(tiny_ckpt):
-    """Gathered layers are kept across micro-batches, but a log-prob forward (no backward to reshard
-    them) must end with every parameter the sharded fp32 DTensor that weight sync and checkpoints read."""
-    from torch.distributed.tensor import DTensor
-
-    ctx = init_distributed("cpu")
-    cfg = tiny_config(use_dynamic_batch_size=True, max_tokens_per_gpu=str(MAX_TOKENS))
-    actor = Actor(load_pretrained(str(tiny_ckpt)), actor_spec(cfg), ctx)
-    actor.compute_log_probs(synthetic_samples(LENGTHS))
-    bad = [n for n, p in actor.model.named_parameters() if not isinstance(p, DTensor) or p.dtype != torch.float32]
-    assert not bad, bad[:3]

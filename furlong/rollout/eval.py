@@ -18,7 +18,6 @@ from furlong.rollout.rollout import derive_seed, gather_lists, rank_share, rewar
 from furlong.types import DistContext, Prompt, Sample
 
 
-
 @dataclass
 class EvalSpec:
     sampling: SamplingParams         # eval settings, each falling back to the rollout's; seed --rollout-seed

@@ -39,7 +39,6 @@ from furlong.rollout.filters import GroupFilter
 from furlong.types import DistContext, Group, Prompt, Sample
 
 
-
 class RolloutError(RuntimeError):
     """The rollout cannot produce the groups it was asked for."""
 

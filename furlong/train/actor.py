@@ -33,13 +33,12 @@ import warnings
 from typing import Callable
 
 import torch
-from torch.distributed.fsdp import register_fsdp_forward_method
 
 from furlong.train.batching import (move_micro_batch, pack_micro_batch, padding_micro_batch, response_positions,
                                     response_slices)
 from furlong.train.optimizer_step import finish_step
 from furlong.train.distributed import all_gather_flat
-from furlong.train.fsdp import compile_enabled, compile_layers, compute_dtype, micro_batch_sync, reshard_all, shard_model
+from furlong.train.fsdp import compile_enabled, micro_batch_sync, prepare_trainer_model, reshard_all
 from furlong.train.logprobs import chunked_log_probs
 from furlong.train.losses import LossMetrics, LossParams, rl_loss, sft_loss
 from furlong.train.train_metrics import StepResult, TrainMetrics
@@ -81,28 +80,17 @@ class Actor:
             raise ValueError(f"Actor: unknown loss {loss!r} ({', '.join(LOSSES)})")
         self.spec, self.ctx = spec, ctx
         self.loss_fn = LOSSES[loss]
-        self.param_dtype = compute_dtype(ctx.device, spec.shard.dtype)
         ref = copy.deepcopy(model) if spec.use_ref_model else None
-        model.gradient_checkpointing = spec.shard.gradient_checkpointing
-        self.model = self._shard(model)
-        self.model.train()
+        self.model = prepare_trainer_model(model, ctx, spec.shard).train()
         self.ref_model = None
         if ref is not None:
             ref.requires_grad_(False)
-            self.ref_model = self._shard(ref).eval()
+            self.ref_model = prepare_trainer_model(ref, ctx, spec.shard).eval()
         self.optimizer = build_optimizer(self.model, spec.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, spec.optim, spec.total_steps)
         # under --max-tokens-per-gpu auto: the caller's stand-in budget (run set-up passes CPU_DEFAULT_TOKENS,
         # which the probe's trial steps need) until it sets memory_probe.probe_max_tokens(actor); None without one
         self.max_tokens_per_gpu = max_tokens_per_gpu if max_tokens_per_gpu is not None else spec.steps.max_tokens_per_gpu
-
-    def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
-        if compile_enabled(self.spec.shard.torch_compile, self.ctx.device):
-            compile_layers(model)
-        shard_model(model, self.ctx, self.param_dtype, reshard_after_forward=self.spec.shard.reshard_after_forward)
-        # forward_packed is not __call__: route it through FSDP's unshard/reshard hooks
-        register_fsdp_forward_method(model, "forward_packed")
-        return model
 
     # ------------------------------------------------------------------ planning
 

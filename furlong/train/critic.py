@@ -22,12 +22,11 @@ import time
 from pathlib import Path
 
 import torch
-from torch.distributed.fsdp import register_fsdp_forward_method
 
 from furlong.models.value_model import ValueModel
 from furlong.train.batching import move_micro_batch, pack_micro_batch, padding_micro_batch, response_slices
 from furlong.train.distributed import all_gather_flat
-from furlong.train.fsdp import compile_enabled, compile_layers, compute_dtype, micro_batch_sync, reshard_all, shard_model
+from furlong.train.fsdp import micro_batch_sync, prepare_trainer_model, reshard_all
 from furlong.train.optimizer import build_lr_scheduler, build_optimizer
 from furlong.train.optimizer_step import finish_step
 from furlong.train.train_metrics import CriticMetrics
@@ -50,13 +49,7 @@ class Critic:
         """`model`: the unsharded value model (sharded in place, fp32 masters). max_tokens_per_gpu: the
         budget under --max-tokens-per-gpu auto (else the spec's), or set `critic.max_tokens_per_gpu` later."""
         self.spec, self.ctx = spec, ctx
-        model.gradient_checkpointing = spec.shard.gradient_checkpointing
-        if compile_enabled(spec.shard.torch_compile, ctx.device):
-            compile_layers(model)
-        shard_model(model, ctx, compute_dtype(ctx.device, spec.shard.dtype),
-                    reshard_after_forward=spec.shard.reshard_after_forward)
-        register_fsdp_forward_method(model, "forward_packed")   # not __call__: needs FSDP's unshard hooks
-        self.model = model.train()
+        self.model = prepare_trainer_model(model, ctx, spec.shard).train()
         self.optimizer = build_optimizer(self.model, spec.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, spec.optim, spec.total_steps)
         self.max_tokens_per_gpu = max_tokens_per_gpu if max_tokens_per_gpu is not None else spec.steps.max_tokens_per_gpu

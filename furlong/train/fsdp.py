@@ -27,12 +27,17 @@ One code path: the model is wrapped at every world size, including 1
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from furlong.types import DistContext
+
+if TYPE_CHECKING:
+    from furlong.train.train_spec import ShardSpec
 
 
 def compute_dtype(device: torch.device, dtype_flag: str = "auto") -> torch.dtype:
@@ -45,8 +50,20 @@ def compute_dtype(device: torch.device, dtype_flag: str = "auto") -> torch.dtype
     return table[dtype_flag]
 
 
-def shard_model(model: nn.Module, ctx: DistContext, param_dtype: torch.dtype,
-                reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = False) -> nn.Module:
+def prepare_trainer_model(model: nn.Module, ctx: DistContext, shard: ShardSpec) -> nn.Module:
+    """A trainer's model (actor, its reference copy, critic) as `shard` says, in place: recompute
+    flag, compiled layer blocks, FSDP2, and `forward_packed` routed through FSDP's unshard hooks
+    (it is not `__call__`, which FSDP hooks by itself)."""
+    model.gradient_checkpointing = shard.gradient_checkpointing
+    if compile_enabled(shard.torch_compile, ctx.device):
+        compile_layers(model)
+    shard_model(model, ctx, compute_dtype(ctx.device, shard.dtype), reshard_after_forward=shard.reshard_after_forward)
+    register_fsdp_forward_method(model, "forward_packed")
+    return model
+
+
+def shard_model(model: nn.Module, ctx: DistContext, param_dtype: torch.dtype, *, reshard_after_forward: bool,
+                reduce_dtype: torch.dtype = torch.float32) -> nn.Module:
     """Shard `model` (fp32, any device) in place over all ranks of `ctx`; returns it.
 
     `model` must have a `.layers` ModuleList of decoder layers.

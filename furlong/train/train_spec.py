@@ -31,7 +31,7 @@ class ShardSpec:
     gradient_checkpointing: bool     # recompute decoder layers in backward
     # False: a layer's gathered weights stay from its first forward of an optimizer step to the step's
     # last backward (fsdp.micro_batch_sync); True: FSDP's default, gathered again in every backward
-    reshard_after_forward: bool = False
+    reshard_after_forward: bool
 
 
 @dataclass(frozen=True)
