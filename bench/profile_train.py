@@ -6,11 +6,15 @@ names; "idle" is the step's wall time minus the union of kernel intervals (host 
 launches, syncs). Also times the step unprofiled (the median of 3).
 
     python3 bench/profile_train.py [--out DIR] [--label NAME] [--budget 32768] [--recompute]
-                                   [--reshard-after-forward] [--host]
---host also records CPU ops (with input shapes) in the profiled step and writes two tables to
-DIR/profile_train_NAME_ops.txt: ops by device time (which aten op launched the copies and fills)
-and by host time (where the GPU's idle time comes from). The profiler's own host cost inflates that
-step's idle time: read the idle figure from a run without --host.
+                                   [--reshard-after-forward] [--host] [--old LEVER,...]
+--host also records CPU ops (with input shapes and Python stacks) in the profiled step and writes
+tables to DIR/profile_train_NAME_ops.txt: ops by device time (which aten op launched the copies
+and fills), by host time (where the GPU's idle time comes from) and by Python stack. The
+profiler's own host cost inflates that step's idle time: read the idle figure from a run without --host.
+--old puts levers of the train step back to what they replaced, to measure each one side by side:
+  keep_logits  recompute every LM-head chunk's logits in backward (logprobs.py)
+  gqa          expand K/V heads for the flash kernel instead of GQA inside it (attention.py)
+  addmm        accumulate the LM-head weight gradient with a separate fp32 add per chunk
 Writes DIR/profile_train_NAME.json.
 """
 from __future__ import annotations
@@ -64,6 +68,29 @@ def _busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def _old_keep_logits() -> None:
+    from furlong.train import actor
+    actor.keep_logits_budget = lambda device: 0
+
+
+def _old_gqa() -> None:
+    from furlong.models import attention
+    pick = attention.select_packed_impl
+    attention.select_packed_impl = lambda q: "varlen" if pick(q) == "varlen_gqa" else pick(q)
+
+
+def _old_addmm() -> None:
+    from furlong.train import logprobs
+
+    def add_after(grad_w, gz, h):
+        grad_w += gz.t() @ h
+    logprobs._accumulate_weight_grad = add_after
+
+
+# --old NAME -> what puts that lever back (module attributes looked up at call time)
+OLD = {"keep_logits": _old_keep_logits, "gqa": _old_gqa, "addmm": _old_addmm}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -73,7 +100,11 @@ def main() -> None:
     ap.add_argument("--reshard-after-forward", action="store_true",
                     help="FSDP's default: re-gather each layer in backward and per micro-batch")
     ap.add_argument("--host", action="store_true", help="also profile CPU ops; write the ops tables")
+    ap.add_argument("--old", default="", help="comma-separated levers to turn back (module docstring)")
     a = ap.parse_args()
+    olds = [x for x in a.old.split(",") if x]
+    for name in olds:
+        OLD[name]()
     b = Bench(load_workload(Path(__file__).with_name("seed_workload.json")))
     base_config = b.config
 
@@ -99,7 +130,7 @@ def main() -> None:
     activities = [torch.profiler.ProfilerActivity.CUDA]
     if a.host:
         activities.append(torch.profiler.ProfilerActivity.CPU)
-    with torch.profiler.profile(activities=activities, record_shapes=a.host) as prof:
+    with torch.profiler.profile(activities=activities, record_shapes=a.host, with_stack=a.host) as prof:
         torch.cuda.synchronize()
         t = time.perf_counter()
         actor.train_step(samples)
@@ -120,7 +151,7 @@ def main() -> None:
         per_kernel[e.name[:120]] += us / 1000
         counts[e.name[:120]] += 1
     busy_ms = _busy_us(intervals) / 1000
-    res = {"label": a.label, "num_tokens": num_tokens, "budget": a.budget, "recompute": a.recompute,
+    res = {"label": a.label, "old": olds, "num_tokens": num_tokens, "budget": a.budget, "recompute": a.recompute,
            "reshard_after_forward": a.reshard_after_forward,
            "num_micro_batches": tm.num_micro_batches, "step_s_median3": step_s, "step_s_all": times,
            "tok_per_s": num_tokens / step_s, "peak_gib": peak, "profiled_wall_ms": prof_wall * 1000,
@@ -134,7 +165,10 @@ def main() -> None:
         tables = ["ops by device time (self), grouped by input shape",
                   by_shape.table(sort_by="self_device_time_total", row_limit=50, max_name_column_width=60),
                   "ops by host time (self)",
-                  prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=50, max_name_column_width=60)]
+                  prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=50, max_name_column_width=60),
+                  "ops by device time (self), grouped by Python stack (5 frames)",
+                  prof.key_averages(group_by_stack_n=5).table(sort_by="self_device_time_total", row_limit=40,
+                                                              max_name_column_width=60)]
         (Path(a.out) / f"profile_train_{a.label}_ops.txt").write_text("\n\n".join(tables))
     (Path(a.out) / f"profile_train_{a.label}.json").write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1), flush=True)

@@ -48,3 +48,33 @@ def test_triton_logp_only_gradient():
         logp.sum().backward()
         grads.append(hh.grad)
     assert torch.allclose(grads[0], grads[1], atol=1e-4, rtol=1e-4)
+
+
+@cuda
+def test_triton_kept_logits_match_recomputed():
+    """The trainer's CUDA path: bf16, Triton kernels, logits kept from forward (partly: the budget
+    holds two chunks of three) and the weight gradient accumulated by cuBLAS into fp32 (addmm's
+    out_dtype): bitwise the gradients of recomputing every chunk, and close to the eager fp32
+    reference. A second backward through kept logits (which the grad kernel overwrote) must raise."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    num_tokens, hidden_size, vocab = 300, 64, 5003
+    h = (torch.randn(num_tokens, hidden_size, device="cuda", generator=g) * 0.5).bfloat16()
+    w = (torch.randn(vocab, hidden_size, device="cuda", generator=g) * 0.5).bfloat16()
+    y = torch.randint(0, vocab, (num_tokens,), device="cuda", generator=g)
+    gl = torch.randn(num_tokens, device="cuda", generator=g)
+    out = []
+    for keep in (0, 2 * 128 * vocab * 2):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        logp, ent = chunked_log_probs(hh, ww, y, 0.7, 128, True, impl="triton", keep_logits_bytes=keep)
+        (logp * gl).sum().backward(retain_graph=True)
+        out.append((logp.detach(), ent.detach(), hh.grad.clone(), ww.grad.clone()))
+        if keep:
+            with pytest.raises(RuntimeError):
+                (logp * gl).sum().backward()
+    for a, b in zip(*out):
+        assert torch.equal(a, b)
+    hf, wf = h.float().requires_grad_(), w.float().requires_grad_()
+    logp, _ = chunked_log_probs(hf, wf, y, 0.7, 128, True, impl="eager")
+    (logp * gl).sum().backward()
+    assert torch.allclose(out[1][3].float(), wf.grad, atol=2e-2, rtol=5e-2)
+    assert torch.allclose(out[1][2].float(), hf.grad, atol=2e-2, rtol=5e-2)

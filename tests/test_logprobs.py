@@ -180,3 +180,23 @@ def test_compiled_chunks_match_eager_cpu():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_chunks_match_eager_cuda():
     _compiled_matches_eager("cuda", torch.bfloat16, 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_logits_give_the_same_gradients(dtype):
+    """Keeping the forward's logits (all chunks, the first two, none) changes nothing: backward would
+    recompute the very same products. bf16 also runs the fp32 weight-gradient accumulator."""
+    h, w, y = make(23, hidden_size=8, vocab=29, dtype=dtype, seed=3)
+    a, b = torch.randn(23, generator=torch.Generator().manual_seed(4)), torch.randn(23)
+    chunk_bytes = 5 * 29 * h.element_size()
+    out = []
+    for keep in (0, 2 * chunk_bytes, 2 * chunk_bytes + 1, 10 ** 9):
+        out.append(grads_of(lambda: chunked_log_probs(h, w, y, 0.9, 5, True, impl="eager", keep_logits_bytes=keep),
+                            h, w, a, b))
+    for other in out[1:]:
+        for x, ref in zip(other, out[0]):
+            torch.testing.assert_close(x, ref, rtol=0, atol=0)
+    ref = grads_of(lambda: naive(h.double(), w.double(), y, 0.9), h, w, a, b)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for x, r in zip(out[-1], ref):
+        torch.testing.assert_close(x.double(), r.double(), rtol=tol, atol=tol)

@@ -80,7 +80,9 @@ class Attention(nn.Module):
         """Attention core: q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq * D] (before o_proj)."""
         b, t = q.shape[:2]
         if ctx.cu_seqlens is not None:   # packed: b == 1
-            out = packed_attention(q[0], k[0], v[0], ctx.cu_seqlens, ctx.max_seqlen)
+            # squeeze, not q[0]: a select's backward writes the gradient into a new zero-filled
+            # tensor (a fill and a copy of q, k and v per layer and micro-batch); a view's does not
+            out = packed_attention(q.squeeze(0), k.squeeze(0), v.squeeze(0), ctx.cu_seqlens, ctx.max_seqlen)
             return out.reshape(b, t, self.num_heads * self.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # [B, H, T, D]
         mask = ctx.mask
@@ -217,4 +219,4 @@ class Transformer(nn.Module):
         No logits here: callers project chunks of the hidden states themselves.
         """
         ctx = AttnInputs(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-        return self._run_layers(input_ids[None], position_ids[None], ctx)[0]
+        return self._run_layers(input_ids[None], position_ids[None], ctx).squeeze(0)   # a view (see attend)

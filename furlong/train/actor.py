@@ -39,7 +39,7 @@ from furlong.train.batching import (move_micro_batch, pack_micro_batch, padding_
 from furlong.train.optimizer_step import finish_step
 from furlong.train.distributed import all_gather_flat
 from furlong.train.fsdp import compile_enabled, micro_batch_sync, prepare_trainer_model, reshard_all
-from furlong.train.logprobs import chunked_log_probs
+from furlong.train.logprobs import chunked_log_probs, keep_logits_budget
 from furlong.train.losses import LossMetrics, LossParams, rl_loss, sft_loss
 from furlong.train.train_metrics import StepResult, TrainMetrics
 from furlong.train.train_spec import ActorSpec
@@ -119,10 +119,13 @@ class Actor:
             warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
             hidden = model.forward_packed(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
         weight = model.output_weight  # the root stays unsharded after forward (fsdp.py)
+        # a backward follows only with grad enabled: only then are the forward's logits worth keeping
+        keep = keep_logits_budget(hidden.device) if torch.is_grad_enabled() else 0
         logp, ent = chunked_log_probs(hidden.index_select(0, positions), weight.to(hidden.dtype),
                                       mb.targets.index_select(0, positions), self.spec.temperature,
                                       LOGPROB_CHUNK, with_entropy,
-                                      compiled=compile_enabled(self.spec.shard.torch_compile, hidden.device))
+                                      compiled=compile_enabled(self.spec.shard.torch_compile, hidden.device),
+                                      keep_logits_bytes=keep)
         spread = lambda x: torch.zeros(mb.num_tokens, dtype=x.dtype, device=x.device).index_copy(0, positions, x)  # noqa: E731
         return spread(logp), None if ent is None else spread(ent)
 
