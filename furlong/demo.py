@@ -24,11 +24,17 @@ Presets (`--device`):
 - "cpu": the above; about 10 minutes on 2 cores (seed 0: greedy 21.5% -> 31.5%, sampled 8.8% ->
   23.1%; BENCHMARKS.md, "CPU demo"). Four optimizer steps per rollout: the sampled accuracy rose
   at every eval but the last; the greedy one made most of its gain in the first 4 rollouts.
-- "gpu" (`--device cuda`): a 14M-parameter model, two-digit two-step problems, a few hundred GRPO
-  rollouts, under ten minutes on one H200. Every SFT solution is boxed, so there is no answer
-  format to learn; half of them skip the worked steps, and what GRPO can learn is to work the
-  problem, and the arithmetic itself. Measured on the H200 (BENCHMARKS.md): a few points of
-  greedy accuracy in 200 rollouts, not yet the 15 the GPU demo is meant to show.
+- "gpu" (`--device cuda`): a 14M-parameter model, numbers up to 50, 70% two-step problems, 300
+  GRPO rollouts of 64 prompts x 8 samples. Every SFT solution is boxed and worked, but for 65% of
+  the two-step problems the SFT teacher stops after the first step and boxes that intermediate
+  result (tasks/synthetic.py, early_stop_solution), as distilled solutions that quit before the
+  work is done. The format is already right; what the SFT data teaches wrongly is to stop (above
+  one half, stopping is the likelier continuation after the first step, so greedy decoding stops
+  while some samples finish). Nothing but the reward tells GRPO to finish the work. Measured on one H200 (BENCHMARKS.md, session 5; seed 0, 350 s in all): greedy
+  29.4% -> 71.2%, sampled 29.8% -> 65.5%, mean response length 19.6 -> 26.3 tokens. Tried first
+  (session 5): numbers up to 99, where the 14M model's arithmetic is the limit (+9 and +11 points in
+  200 rollouts at lr 1e-5 and 3e-5); before (session 4) half the SFT solutions without the worked
+  steps (+3 points at best, 21.2% -> 24.4%).
 - "quick": plumbing only, for tests/test_demo.py.
 `--set NAME=VALUE` overrides one DemoScale field (repeatable), for trying task difficulty or
 learning rates without editing code.
@@ -52,6 +58,7 @@ class DemoScale:
     two_step_fraction: float = 0.1
     sft_unboxed_fraction: float = 0.5
     sft_direct_fraction: float = 0.0  # SFT solutions that skip the worked steps (tasks/synthetic.py)
+    sft_early_stop_fraction: float = 0.0  # multi-step SFT solutions that stop after step one (tasks/synthetic.py)
     vocab_size: int = 384
     hidden: int = 128
     num_layers: int = 4
@@ -81,19 +88,18 @@ PRESETS = {
     "quick": DemoScale(num_train=600, num_test=40, hidden=64, num_layers=2, sft_epochs=1, num_rollout=2,
                        rollout_batch_size=8, n_samples=4, grpo_steps_per_rollout=1, dynamic_filter=False,
                        eval_interval=0, sampled_eval_samples=2),
-    # Two-digit numbers, mostly two-step problems, every SFT solution boxed, but half of them give the
-    # answer without the worked steps: the fine-tuned model sometimes skips the working and is then
-    # mostly wrong. Two short SFT epochs leave the arithmetic far from perfect; GRPO has a few hundred
-    # rollouts of 64 prompts x 8 samples to prefer working the problem and to get it right.
-    # GRPO at lr 1e-5, two optimizer steps per rollout, an 8-step warm-up: of the settings tried on the
-    # H200 (BENCHMARKS.md, session 4) the only one whose greedy accuracy did not fall first (21.2% ->
-    # 24.4% in 200 rollouts, still rising); at 5e-5 it fell 4 points and stayed down. The issue's
-    # 15-point gain is not reached by this preset.
-    "gpu": DemoScale(num_train=30000, num_test=500, max_number=99, max_factor=9, two_step_fraction=0.7,
-                     sft_unboxed_fraction=0.0, sft_direct_fraction=0.5, vocab_size=512, hidden=384, num_layers=8,
-                     num_heads=6, sft_epochs=2, sft_lr=1e-3, sft_batch=128, num_rollout=300, rollout_batch_size=64,
-                     grpo_lr=1e-5, grpo_lr_warmup=8, grpo_steps_per_rollout=2, max_response_len=64,
-                     eval_interval=25, device="cuda"),
+    # Numbers up to 50, mostly two-step problems, every SFT solution boxed and worked, but the SFT
+    # teacher stops after the first step in 65% of the two-step solutions (boxing the intermediate
+    # result), so that stopping is the fine-tuned model's likelier continuation after the first step
+    # while some of its samples finish the work. GRPO (lr 3e-5, two optimizer steps
+    # per rollout, an 8-step warm-up) has only the reward to teach it to finish. Tried on the H200
+    # (BENCHMARKS.md, session 5), 200 rollouts: this task +32.8 points (29.4% -> 62.2%); with numbers
+    # up to 99 the arithmetic is the limit (13.4% -> 22.6% at lr 1e-5, -> 24.2% at 3e-5).
+    "gpu": DemoScale(num_train=30000, num_test=500, max_number=50, max_factor=9, two_step_fraction=0.7,
+                     sft_unboxed_fraction=0.0, sft_early_stop_fraction=0.65, vocab_size=512, hidden=384,
+                     num_layers=8, num_heads=6, sft_epochs=2, sft_lr=1e-3, sft_batch=128, num_rollout=300,
+                     rollout_batch_size=64, grpo_lr=3e-5, grpo_lr_warmup=8, grpo_steps_per_rollout=2,
+                     max_response_len=64, eval_interval=25, device="cuda"),
 }
 
 
@@ -237,7 +243,8 @@ def run_demo(output_dir: str | None = None, seed: int = 0, quick: bool = False,
     data = out / "data"
     task = dict(max_number=scale.max_number, max_factor=scale.max_factor, two_step_fraction=scale.two_step_fraction)
     prepare_synthetic(data, scale.num_train, scale.num_test, seed, sft_unboxed_fraction=scale.sft_unboxed_fraction,
-                      sft_direct_fraction=scale.sft_direct_fraction, **task)
+                      sft_direct_fraction=scale.sft_direct_fraction,
+                      sft_early_stop_fraction=scale.sft_early_stop_fraction, **task)
     train, _ = make_problems(scale.num_train, scale.num_test, seed, **task)
     texts = corpus(train) + [plain_solution(p) for p in train]
     tok_dir = build_tokenizer(texts, out / "tokenizer", vocab_size=scale.vocab_size)

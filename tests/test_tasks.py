@@ -216,3 +216,23 @@ def test_sft_rows_direct_fraction_skips_the_steps_but_keeps_the_answer():
     assert all(t == p.solution for t, p in zip(texts, train) if t not in direct)
     assert all(score("math", t, r["label"]) == 1.0 for t, r in zip(texts, rows))
     assert sft_rows(train, seed=4) == sft_rows(train, seed=4, direct_fraction=0.0)
+
+
+def test_sft_rows_early_stop_fraction_cuts_two_step_solutions_after_step_one():
+    """The GPU demo's teacher: a seeded share of the two-step solutions stops after the first step and
+    boxes its result (wrong by the reward, same format); one-step solutions are never touched."""
+    from furlong.rewards import score
+    train, _ = make_problems(600, 0, seed=5, max_number=50, max_factor=9, two_step_fraction=0.5)
+    rows = sft_rows(train, seed=5, early_stop_fraction=0.6)
+    assert rows == sft_rows(train, seed=5, early_stop_fraction=0.6)
+    texts = [r["messages"][-1]["content"] for r in rows]
+    two_step = [i for i, p in enumerate(train) if p.solution.count("=") == 2]
+    cut = [i for i in two_step if texts[i] != train[i].solution]
+    assert 0.5 < len(cut) / len(two_step) < 0.7
+    for i in cut:
+        first, value = re.fullmatch(r"(.+ = (\d+))\. \\boxed\{(\d+)\}", texts[i]).group(1, 3)
+        assert train[i].solution.startswith(first + ". ") and first.endswith(f"= {value}")
+        # the intermediate differs from the answer unless the second step leaves it unchanged
+        assert score("math", texts[i], rows[i]["label"]) == float(value == train[i].label)
+    assert all(texts[i] == p.solution for i, p in enumerate(train) if i not in cut)
+    assert sft_rows(train, seed=5) == sft_rows(train, seed=5, early_stop_fraction=0.0)

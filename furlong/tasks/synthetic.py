@@ -140,8 +140,19 @@ def direct_solution(p: Problem) -> str:
     return f"\\boxed{{{p.label}}}"
 
 
+def early_stop_solution(p: Problem) -> str | None:
+    """A multi-step solution cut after its first step, boxing that step's result ("7 + 4 = 11.
+    \\boxed{11}" for 7 + 4 - 3): the answer of a solver that stops before the work is done.
+    None for one-step problems (nothing to cut)."""
+    steps = p.solution.rsplit(" \\boxed", 1)[0].split(". ")
+    if len(steps) < 2:
+        return None
+    first = steps[0].rstrip(".")
+    return f"{first}. \\boxed{{{first.rsplit('= ', 1)[1]}}}"
+
+
 def sft_rows(problems: list[Problem], unboxed_fraction: float = 0.0, seed: int = 0,
-             direct_fraction: float = 0.0) -> list[dict]:
+             direct_fraction: float = 0.0, early_stop_fraction: float = 0.0) -> list[dict]:
     """SFT rows: the user turn followed by the assistant's short solution.
 
     `unboxed_fraction` of the rows (a seeded choice) end in the plain style instead,
@@ -149,8 +160,14 @@ def sft_rows(problems: list[Problem], unboxed_fraction: float = 0.0, seed: int =
     from what a reward reads; the demo's GRPO then has a format to learn.
     `direct_fraction` of the other rows give the boxed answer without the steps: the fine-tuned
     model then sometimes skips the working, and GRPO has a way of solving to prefer.
+    `early_stop_fraction` of the multi-step problems' remaining rows stop after the first step
+    (early_stop_solution): a teacher that often quits before the work is done. Above one half, the
+    fine-tuned model's most likely continuation after the first step is to stop, so its greedy
+    answers to multi-step problems are wrong while its samples still finish the work at times: the
+    reward alone has to teach it to finish.
     """
-    for name, value in (("unboxed_fraction", unboxed_fraction), ("direct_fraction", direct_fraction)):
+    for name, value in (("unboxed_fraction", unboxed_fraction), ("direct_fraction", direct_fraction),
+                        ("early_stop_fraction", early_stop_fraction)):
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"{name}: must be in [0, 1], got {value}")
     rng = random.Random(seed)
@@ -159,6 +176,9 @@ def sft_rows(problems: list[Problem], unboxed_fraction: float = 0.0, seed: int =
         text = plain_solution(p) if rng.random() < unboxed_fraction else p.solution
         if direct_fraction > 0 and text == p.solution and rng.random() < direct_fraction:
             text = direct_solution(p)
+        short = early_stop_solution(p) if early_stop_fraction > 0 and text == p.solution else None
+        if short is not None and rng.random() < early_stop_fraction:
+            text = short
         rows.append({"messages": user_turn(p.question) + [{"role": "assistant", "content": text}],
                      "label": p.label, "answer": p.answer})
     return rows
@@ -172,7 +192,7 @@ def corpus(problems: list[Problem]) -> list[str]:
 def prepare_synthetic(output_dir: str | Path, num_train: int = 2000, num_test: int = 200, seed: int = 0,
                       max_number: int = 20, max_factor: int = 5,
                       two_step_fraction: float = 0.25, sft_unboxed_fraction: float = 0.0,
-                      sft_direct_fraction: float = 0.0) -> dict[str, int]:
+                      sft_direct_fraction: float = 0.0, sft_early_stop_fraction: float = 0.0) -> dict[str, int]:
     """Write train/test/sft parquet files to `output_dir`; return rows per file."""
     train, test = make_problems(num_train, num_test, seed, max_number, max_factor, two_step_fraction)
     if not train or not test:
@@ -180,5 +200,6 @@ def prepare_synthetic(output_dir: str | Path, num_train: int = 2000, num_test: i
     out = Path(output_dir)
     write_parquet_atomic([prompt_row(p) for p in train], out / "train.parquet")
     write_parquet_atomic([prompt_row(p) for p in test], out / "test.parquet")
-    write_parquet_atomic(sft_rows(train, sft_unboxed_fraction, seed, sft_direct_fraction), out / "sft.parquet")
+    write_parquet_atomic(sft_rows(train, sft_unboxed_fraction, seed, sft_direct_fraction, sft_early_stop_fraction),
+                         out / "sft.parquet")
     return {"train": len(train), "test": len(test), "sft": len(train)}
