@@ -68,11 +68,6 @@ def _busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _old_keep_logits() -> None:
-    from furlong.train import actor
-    actor.keep_logits_budget = lambda device: 0
-
-
 def _old_gqa() -> None:
     from furlong.models import attention
     pick = attention.select_packed_impl
@@ -87,8 +82,9 @@ def _old_addmm() -> None:
     logprobs._accumulate_weight_grad = add_after
 
 
-# --old NAME -> what puts that lever back (module attributes looked up at call time)
-OLD = {"keep_logits": _old_keep_logits, "gqa": _old_gqa, "addmm": _old_addmm}
+# --old NAME -> what puts that lever back (module attributes looked up at call time);
+# keep_logits is an actor attribute, set in main
+OLD = {"keep_logits": lambda: None, "gqa": _old_gqa, "addmm": _old_addmm}
 
 
 def main() -> None:
@@ -115,6 +111,8 @@ def main() -> None:
     b.config = config
     actor, samples, dev = b.actor(), b.train_samples(), b.device
     actor.max_tokens_per_gpu = a.budget
+    if "keep_logits" in olds:
+        actor.keep_logits_bytes = 0
     num_tokens = sum(s.num_tokens for s in samples)
     actor.train_step(samples)                                       # warm-up: compiles
     times = []

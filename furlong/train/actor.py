@@ -91,6 +91,9 @@ class Actor:
         # under --max-tokens-per-gpu auto: the caller's stand-in budget (run set-up passes CPU_DEFAULT_TOKENS,
         # which the probe's trial steps need) until it sets memory_probe.probe_max_tokens(actor); None without one
         self.max_tokens_per_gpu = max_tokens_per_gpu if max_tokens_per_gpu is not None else spec.steps.max_tokens_per_gpu
+        # bytes of LM-head logits a training forward keeps for its backward (logprobs.py); the memory
+        # probe measures without them and counts this budget as fixed memory
+        self.keep_logits_bytes = keep_logits_budget(ctx.device)
 
     # ------------------------------------------------------------------ planning
 
@@ -120,7 +123,7 @@ class Actor:
             hidden = model.forward_packed(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
         weight = model.output_weight  # the root stays unsharded after forward (fsdp.py)
         # a backward follows only with grad enabled: only then are the forward's logits worth keeping
-        keep = keep_logits_budget(hidden.device) if torch.is_grad_enabled() else 0
+        keep = self.keep_logits_bytes if torch.is_grad_enabled() else 0
         logp, ent = chunked_log_probs(hidden.index_select(0, positions), weight.to(hidden.dtype),
                                       mb.targets.index_select(0, positions), self.spec.temperature,
                                       LOGPROB_CHUNK, with_entropy,

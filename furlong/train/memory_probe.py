@@ -6,7 +6,9 @@ with entropy -> loss -> backward) and the no-grad log-prob forward, and we read
 torch.cuda.max_memory_allocated for each. Peak memory is affine in the token
 count, so two points give the slope (bytes per token) and the intercept; the
 intercept is raised by the AdamW state (2 fp32 tensors per local parameter)
-when the optimizer has not allocated it yet. The budget is the largest
+when the optimizer has not allocated it yet, and by the LM-head logits a training forward keeps
+for its backward (actor.keep_logits_bytes): they grow with the tokens only up to that cap, so the
+probes run without them and the whole cap counts as fixed memory. The budget is the largest
 multiple of 1024 tokens whose predicted peak stays under
 
     total * (1 - SAFETY_FRACTION) - reserved_bytes
@@ -98,8 +100,12 @@ def probe_max_tokens(actor: Any, reserved_bytes: int = 0) -> int:
     has_state = any(len(s) > 0 for s in actor.optimizer.state.values())
     pending = 0 if has_state else sum(2 * p.to_local().numel() * 4 if hasattr(p, "to_local") else 2 * p.numel() * 4
                                       for p in actor.model.parameters())
+    keep, actor.keep_logits_bytes = actor.keep_logits_bytes, 0   # module docstring
     small, large = PROBE_TOKENS, 2 * PROBE_TOKENS
-    m = ProbeMeasurement(small, _measure(actor, small), large, _measure(actor, large), pending)
+    try:
+        m = ProbeMeasurement(small, _measure(actor, small), large, _measure(actor, large), pending + keep)
+    finally:
+        actor.keep_logits_bytes = keep
     total = torch.cuda.get_device_properties(actor.ctx.device).total_memory
     tokens = choose_max_tokens(m, total, reserved_bytes)
     # one collective: every rank must plan with the same budget; take the tightest
