@@ -78,6 +78,7 @@ def test_all_parts_run_and_agree_with_the_workload(tmp_path, capsys):
     params = sum(p.numel() for p in Transformer(ModelArgs.from_hf_config(TINY_MODEL)).parameters())
     assert tr["weight_sync_gib"] == pytest.approx(params * 4 / 2**30)   # fp32 engine on CPU
     assert tr["log_probs_peak_gib"] is None              # no memory stats on CPU
+    assert len(tr["train_step_s_all"]) == 3 and tr["train_step_s"] == sorted(tr["train_step_s_all"])[1]
 
     rows = parts["budget"]["result"]["rows"]
     assert [r["max_tokens_per_gpu"] for r in rows] == [20, 1000]

@@ -24,7 +24,8 @@ class TrainResult:
     log_probs_s: float
     log_probs_tok_per_s: float
     log_probs_peak_gib: float | None
-    train_step_s: float              # fwd+bwd of all micro-batches + clip + optimizer step
+    train_step_s: float              # fwd+bwd of all micro-batches + clip + optimizer step (median)
+    train_step_s_all: list[float]    # [TIMED_TRAIN_STEPS] each timed step, after one warm-up step
     train_tok_per_s: float
     train_mfu: float | None          # 6 * params * tokens/s over the bf16 peak (CUDA only)
     train_peak_gib: float | None
