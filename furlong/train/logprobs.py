@@ -19,7 +19,7 @@ Peak extra memory is about two [chunk_size, V] fp32 buffers, plus one fp32
 Two savings, both exact (the same numbers as the plain version):
   kept logits: forward may keep its chunks' raw logits (model dtype, bf16 on GPU) for backward,
     up to `keep_logits_bytes`, instead of recomputing h W^T there: one of the four LM-head
-    GEMMs per chunk, ~3% of the seed train step. The recomputed product would be bitwise the
+    GEMMs per chunk, ~5% of the seed train step (BENCHMARKS.md). The recomputed product is bitwise the
     same tensor. `keep_logits_budget` sets the budget from the device's memory.
   fused accumulation: the weight gradient of each chunk is added by the GEMM itself (beta = 1;
     bf16 inputs into the fp32 accumulator on CUDA) rather than by a separate fp32 add over the
