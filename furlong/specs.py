@@ -79,7 +79,7 @@ def sample_spec(cfg: Config) -> SampleSpec:
     a = cfg.algo
     return SampleSpec(
         advantage_estimator=a.advantage_estimator, use_rollout_logprobs=a.use_rollout_logprobs,
-        use_kl_loss=a.use_kl_loss, kl_coef=a.kl_coef, kl_loss_type=a.kl_loss_type,
+        use_kl_loss=a.use_kl_loss, kl_loss_type=a.kl_loss_type,
         normalize_advantages=a.normalize_advantages, overlong_buffer_len=a.overlong_buffer_len,
         overlong_penalty_factor=a.overlong_penalty_factor, max_response_len=cfg.rollout.rollout_max_response_len,
         advantage=AdvantageParams(normalize_std=not a.disable_grpo_std_normalization,

@@ -30,13 +30,12 @@ class SampleSpec:
     advantage_estimator: str         # advantages.get_estimator's name
     use_rollout_logprobs: bool       # old log-probs from the engine
     use_kl_loss: bool                # reference log-probs for the KL loss
-    kl_coef: float                   # > 0: KL penalty folded into the token rewards
-    kl_loss_type: str                # estimator of that penalty (k1 | k2 | k3 | low_var_kl)
+    kl_loss_type: str                # estimator of the reward's KL penalty (k1 | k2 | k3 | low_var_kl)
     normalize_advantages: bool       # whiten over the global batch
     overlong_buffer_len: int | None  # DAPO overlong shaping (None: off)
     overlong_penalty_factor: float
     max_response_len: int            # tokens (--rollout-max-response-len)
-    advantage: AdvantageParams
+    advantage: AdvantageParams       # its kl_coef > 0: a KL penalty folded into the token rewards
 
 
 def shaped_rewards(groups: list[Group], spec: SampleSpec) -> torch.Tensor:
@@ -63,7 +62,7 @@ def build_train_samples(groups: list[Group], spec: SampleSpec, actor, critic=Non
                            advantages=torch.zeros(len(s.response_ids)),
                            rollout_log_probs=torch.tensor(s.rollout_log_probs, dtype=torch.float32))
                for g in groups for s in g.samples]
-    kl_in_reward = spec.kl_coef > 0
+    kl_in_reward = spec.advantage.kl_coef > 0
     if spec.use_rollout_logprobs:
         for s in samples:
             s.old_log_probs = s.rollout_log_probs
