@@ -68,13 +68,17 @@ def _busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _old_gqa() -> None:
+def _old_keep_logits(actor) -> None:
+    actor.keep_logits_bytes = 0
+
+
+def _old_gqa(actor) -> None:
     from furlong.models import attention
     pick = attention.select_packed_impl
     attention.select_packed_impl = lambda q: "varlen" if pick(q) == "varlen_gqa" else pick(q)
 
 
-def _old_addmm() -> None:
+def _old_addmm(actor) -> None:
     from furlong.train import logprobs
 
     def add_after(grad_w, gz, h):
@@ -82,9 +86,9 @@ def _old_addmm() -> None:
     logprobs._accumulate_weight_grad = add_after
 
 
-# --old NAME -> what puts that lever back (module attributes looked up at call time);
-# keep_logits is an actor attribute, set in main
-OLD = {"keep_logits": lambda: None, "gqa": _old_gqa, "addmm": _old_addmm}
+# --old NAME -> what puts that lever back on the built actor, before its first (compiling) step;
+# the module attributes are looked up at call time
+OLD = {"keep_logits": _old_keep_logits, "gqa": _old_gqa, "addmm": _old_addmm}
 
 
 def main() -> None:
@@ -99,8 +103,9 @@ def main() -> None:
     ap.add_argument("--old", default="", help="comma-separated levers to turn back (module docstring)")
     a = ap.parse_args()
     olds = [x for x in a.old.split(",") if x]
-    for name in olds:
-        OLD[name]()
+    unknown = sorted(set(olds) - set(OLD))
+    if unknown:
+        ap.error(f"--old: unknown lever(s) {', '.join(unknown)} (choose from {', '.join(OLD)})")
     b = Bench(load_workload(Path(__file__).with_name("seed_workload.json")))
     base_config = b.config
 
@@ -111,8 +116,8 @@ def main() -> None:
     b.config = config
     actor, samples, dev = b.actor(), b.train_samples(), b.device
     actor.max_tokens_per_gpu = a.budget
-    if "keep_logits" in olds:
-        actor.keep_logits_bytes = 0
+    for name in olds:
+        OLD[name](actor)
     num_tokens = sum(s.num_tokens for s in samples)
     actor.train_step(samples)                                       # warm-up: compiles
     times = []
