@@ -95,8 +95,8 @@ def select_impl(hidden: torch.Tensor, compiled: bool | None) -> str:
 
 def keep_logits_budget(device: torch.device) -> int:
     """Bytes of forward logits chunked_log_probs may keep for backward on `device`: a tenth of a
-    GPU's memory (14 GB on an H200: the seed step's 32768-token micro-batches keep all of theirs,
-    ~10 GB), 0 elsewhere (CPU runs are small; recomputing costs them nothing that matters)."""
+    GPU's memory (15 GB on an H200: the seed step's micro-batches, ~23k response positions each, keep
+    all of theirs, ~7 GB; its peak rose 5.2 GiB, BENCHMARKS.md), 0 elsewhere (CPU runs are small; recomputing costs them nothing that matters)."""
     if device.type != "cuda":
         return 0
     return torch.cuda.get_device_properties(device).total_memory // 10
