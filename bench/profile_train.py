@@ -13,14 +13,26 @@ and fills), by host time (where the GPU's idle time comes from) and by Python st
 profiler's own host cost inflates that step's idle time: read the idle figure from a run without --host.
 --old puts levers of the train step back to what they replaced, to measure each one side by side:
   keep_logits  recompute every LM-head chunk's logits in backward (logprobs.py)
-  gqa          expand K/V heads for the flash kernel instead of GQA inside it (attention.py)
   addmm        accumulate the LM-head weight gradient with a separate fp32 add per chunk
+Host lead: each timed step also records when the host reaches the optimizer step (finish_step, the
+step's one sync) and when the GPU gets there: `host_s` is the host's time to queue the micro-batches'
+forward and backward work, `gpu_s` the GPU's time to finish it; host_s < gpu_s means the GPU never
+waited for the host over the whole step (it may still have in places), and the gap is the margin a
+slower host has before the step gets slower.
+--host-only runs the same step (layers, samples, micro-batches, vocabulary) on a model with tiny
+layers (hidden 64), whose GPU work is a few ms: the step's time is then the host's work alone,
+without waiting for the GPU (host_s above may include such waits: a full launch queue, a sync).
+--find-syncs runs one more step under torch.cuda.set_sync_debug_mode("warn") and writes each
+distinct call site that made the host wait for the device to DIR/profile_train_NAME_syncs.txt.
 Writes DIR/profile_train_NAME.json.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import traceback
+import warnings
 import statistics
 import time
 from collections import defaultdict
@@ -72,12 +84,6 @@ def _old_keep_logits(actor) -> None:
     actor.keep_logits_bytes = 0
 
 
-def _old_gqa(actor) -> None:
-    from furlong.models import attention
-    pick = attention.select_packed_impl
-    attention.select_packed_impl = lambda q: "varlen" if pick(q) == "varlen_gqa" else pick(q)
-
-
 def _old_addmm(actor) -> None:
     from furlong.train import logprobs
 
@@ -88,7 +94,61 @@ def _old_addmm(actor) -> None:
 
 # --old NAME -> what puts that lever back on the built actor, before its first (compiling) step;
 # the module attributes are looked up at call time
-OLD = {"keep_logits": _old_keep_logits, "gqa": _old_gqa, "addmm": _old_addmm}
+OLD = {"keep_logits": _old_keep_logits, "addmm": _old_addmm}
+
+# --host-only: the seed model's structure (28 layers, GQA 2:1, its vocabulary) with tiny layers
+TINY_LAYERS = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
+               "head_dim": 32}
+
+
+def find_syncs(step) -> list[str]:
+    """Distinct stacks (innermost frames) of the synchronizing CUDA calls one call of step makes."""
+    sites: dict[str, int] = defaultdict(int)
+
+    def note(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" in str(message):
+            sites["".join(traceback.format_stack(limit=12)[:-1])] += 1
+    torch.cuda.set_sync_debug_mode("warn")
+    old = warnings.showwarning
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = note
+            step()
+    finally:
+        warnings.showwarning = old
+        torch.cuda.set_sync_debug_mode(0)
+    return [f"{n} time(s):\n{stack}" for stack, n in sorted(sites.items(), key=lambda kv: -kv[1])]
+
+
+class HostLead:
+    """Wraps actor.finish_step to note (host seconds, CUDA event) when the host gets there."""
+
+    def __init__(self):
+        from furlong.train import actor as actor_module
+        self.module, self.inner = actor_module, actor_module.finish_step
+        self.marks: list[tuple[float, torch.cuda.Event]] = []
+        actor_module.finish_step = self
+
+    def __call__(self, *args, **kwargs):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        self.marks.append((time.perf_counter(), ev))
+        return self.inner(*args, **kwargs)
+
+    def timed_step(self, fn) -> tuple[object, float, float, float]:
+        """(fn's result, step s, host s to the optimizer step, GPU s to it) of one call of fn (one
+        optimizer step)."""
+        self.marks.clear()
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        t = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        total = time.perf_counter() - t
+        host_t, ev = self.marks[0]
+        return out, total, host_t - t, start.elapsed_time(ev) / 1000
 
 
 def main() -> None:
@@ -101,12 +161,20 @@ def main() -> None:
                     help="FSDP's default: re-gather each layer in backward and per micro-batch")
     ap.add_argument("--host", action="store_true", help="also profile CPU ops; write the ops tables")
     ap.add_argument("--old", default="", help="comma-separated levers to turn back (module docstring)")
+    ap.add_argument("--host-only", action="store_true", help="tiny layers: time the host's work alone")
+    ap.add_argument("--find-syncs", action="store_true", help="list the step's host-device syncs")
+    ap.add_argument("--skip-guard-eval", action="store_true",
+                    help="after the warm-up, torch.compiler.set_stance(skip_guard_eval_unsafe=True): what "
+                         "Dynamo's guard checks cost the host (an experiment: unsafe if inputs change kind)")
     a = ap.parse_args()
     olds = [x for x in a.old.split(",") if x]
     unknown = sorted(set(olds) - set(OLD))
     if unknown:
         ap.error(f"--old: unknown lever(s) {', '.join(unknown)} (choose from {', '.join(OLD)})")
-    b = Bench(load_workload(Path(__file__).with_name("seed_workload.json")))
+    w = load_workload(Path(__file__).with_name("seed_workload.json"))
+    if a.host_only:
+        w = dataclasses.replace(w, model={**w.model, **TINY_LAYERS})
+    b = Bench(w)
     base_config = b.config
 
     def config(**kw):
@@ -119,17 +187,22 @@ def main() -> None:
     for name in olds:
         OLD[name](actor)
     num_tokens = sum(s.num_tokens for s in samples)
+    lead = HostLead()
     actor.train_step(samples)                                       # warm-up: compiles
-    times = []
+    if a.skip_guard_eval:
+        torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+    runs = []
     reset_peak(dev)
     for _ in range(3):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        tm = actor.train_step(samples)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
+        runs.append(lead.timed_step(lambda: actor.train_step(samples)))
+    tm, times = runs[-1][0], [r[1] for r in runs]
     peak = peak_gib(dev)
     step_s = statistics.median(times)
+    if a.find_syncs:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        syncs = find_syncs(lambda: actor.train_step(samples))
+        (Path(a.out) / f"profile_train_{a.label}_syncs.txt").write_text("\n\n".join(syncs) or "none\n")
+        print(f"[profile_train] {len(syncs)} synchronizing call site(s)", flush=True)
     activities = [torch.profiler.ProfilerActivity.CUDA]
     if a.host:
         activities.append(torch.profiler.ProfilerActivity.CPU)
@@ -155,8 +228,10 @@ def main() -> None:
         counts[e.name[:120]] += 1
     busy_ms = _busy_us(intervals) / 1000
     res = {"label": a.label, "old": olds, "num_tokens": num_tokens, "budget": a.budget, "recompute": a.recompute,
-           "reshard_after_forward": a.reshard_after_forward,
+           "reshard_after_forward": a.reshard_after_forward, "host_only": a.host_only,
+           "skip_guard_eval": a.skip_guard_eval,
            "num_micro_batches": tm.num_micro_batches, "step_s_median3": step_s, "step_s_all": times,
+           "host_s_all": [r[2] for r in runs], "gpu_s_all": [r[3] for r in runs],
            "tok_per_s": num_tokens / step_s, "peak_gib": peak, "profiled_wall_ms": prof_wall * 1000,
            "gpu_busy_ms": busy_ms, "gpu_idle_ms": prof_wall * 1000 - busy_ms,
            "kernel_ms_by_kind": dict(sorted(per_kind.items(), key=lambda kv: -kv[1])),

@@ -21,6 +21,9 @@ def _samples(seed: int) -> list[TrainSample]:
 
 
 def test_compiled_layers_match_eager(tmp_path):
+    """Each decoder layer compiles into one graph, attention included (no graph breaks), and trains
+    as the eager layers do."""
+    from torch._dynamo.utils import counters
     ckpt = write_tiny_checkpoint(tmp_path / "ckpt", family="qwen3")
     ctx = init_distributed("cpu")
     try:
@@ -30,10 +33,13 @@ def test_compiled_layers_match_eager(tmp_path):
             cfg.batch.use_dynamic_batch_size, cfg.batch.max_tokens_per_gpu = True, "96"
             cfg.optim.lr, cfg.algo.entropy_coef = 1e-3, 0.01
             cfg.parallel.torch_compile = mode
+            counters.clear()
             actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device="cpu"), actor_spec(cfg), ctx)
             # two steps with different token counts: the second exercises dynamic shapes
             metrics = [actor.train_step(_samples(s)) for s in range(2)]
             results[mode] = [(m.loss, m.grad_norm, m.entropy) for m in metrics]
+            if mode == "on":
+                assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters)
         for eager, compiled in zip(results["off"], results["on"]):
             for a, b in zip(eager, compiled):
                 assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), (results["off"], results["on"])

@@ -113,6 +113,41 @@ def test_packed_equals_per_sample(ckpts, cid):
     assert (packed_logits - ref).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_packed_attention_reference_gradients(kv_heads):
+    """The per-sample op (the CPU path, opaque to torch.compile) and its explicit backward: the same
+    outputs and q/k/v gradients as autograd through plain SDPA on each sample (K/V expanded), and
+    its registration (fake kernel, autograd) passes torch.library.opcheck."""
+    import torch.nn.functional as F
+    g = torch.Generator().manual_seed(7)
+    lengths = [3, 1, 6, 4]
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    q, k, v = (torch.randn(sum(lengths), h, 8, generator=g, dtype=torch.float64)
+               for h in (4, kv_heads, kv_heads))
+    grad = torch.randn(sum(lengths), 4, 8, generator=g, dtype=torch.float64)
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        out.backward(grad)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    def plain(q, k, v):
+        rows = []
+        for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            seg = lambda t, n=1: t[s:e].repeat_interleave(n, dim=1).transpose(0, 1)  # noqa: E731
+            groups = 4 // kv_heads
+            out = F.scaled_dot_product_attention(seg(q), seg(k, groups), seg(v, groups), is_causal=True)
+            rows.append(out.transpose(0, 1))
+        return torch.cat(rows)
+
+    for ours, ref in zip(run(lambda q, k, v: packed_attention(q, k, v, cu, max(lengths), impl="per_sample")),
+                         run(plain)):
+        torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-10)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.library.opcheck(torch.ops.furlong.packed_attention_ref.default, (*leaves, cu, max(lengths), 8 ** -0.5))
+
+
 def test_packed_grads_with_and_without_checkpointing(ckpts):
     model = load_pretrained(ckpts["qwen3-untied-bias-sharded"]).train()
     _, ids, pos, cu = _packed_batch([4, 9, 6], seed=3)
@@ -129,28 +164,6 @@ def test_packed_grads_with_and_without_checkpointing(ckpts):
     assert set(plain) == set(ckpt) and all(g.abs().sum() > 0 for g in plain.values())
     for name in plain:
         torch.testing.assert_close(ckpt[name], plain[name], rtol=1e-5, atol=1e-6)
-
-
-def test_kv_heads_expanded_before_attention_give_the_same_grads(ckpts, monkeypatch):
-    """K/V heads repeated in pre_attention (what CUDA's varlen kernel without GQA gets) compute the
-    same function and gradients as the attention path's own GQA handling."""
-    import furlong.models.decoder as decoder
-    model = load_pretrained(ckpts["qwen3-untied-bias-sharded"]).train()
-    assert model.args.num_heads > model.args.num_kv_heads
-    _, ids, pos, cu = _packed_batch([4, 9, 6], seed=5)
-
-    def run():
-        model.zero_grad(set_to_none=True)
-        hidden = model.forward_packed(ids, pos, cu, 9)
-        (hidden.square().sum()).backward()
-        return hidden.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    h0, g0 = run()
-    monkeypatch.setattr(decoder, "packed_kv_repeat", lambda x, groups: groups)
-    h1, g1 = run()
-    torch.testing.assert_close(h1, h0, rtol=1e-5, atol=1e-6)
-    for name in g0:
-        torch.testing.assert_close(g1[name], g0[name], rtol=1e-5, atol=1e-6)
 
 
 def test_empty_packed_row(ckpts):
@@ -280,12 +293,10 @@ def test_hf_state_dict_rejects_wrapped_names():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("impl", ["varlen_gqa", "varlen"])
 @pytest.mark.parametrize("kv_heads", [2, 8])
-def test_varlen_matches_per_sample_bf16(kv_heads, impl):
-    """Both flash paths (GQA in the kernel, K/V expanded) against the fp32 per-sample reference:
-    outputs and the gradients of q, k and v (the GQA path's K/V gradients are summed over each
-    group inside aten's backward)."""
+def test_flash_matches_per_sample_bf16(kv_heads):
+    """The flash path (GQA in the kernel) against the fp32 per-sample reference: outputs and the
+    gradients of q, k and v (K/V gradients are summed over each group inside aten's backward)."""
     from furlong.models.attention import select_packed_impl
     torch.manual_seed(0)
     lengths = [37, 5, 128, 1, 64]
@@ -295,9 +306,9 @@ def test_varlen_matches_per_sample_bf16(kv_heads, impl):
     k = torch.randn(total, kv_heads, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(total, kv_heads, d, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(total, 8, d, device="cuda")
-    assert select_packed_impl(q) == "varlen_gqa"
+    assert select_packed_impl(q) == "flash"
     grads = []
-    for dtype, name in ((torch.bfloat16, impl), (torch.float32, "per_sample")):
+    for dtype, name in ((torch.bfloat16, "flash"), (torch.float32, "per_sample")):
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
         out = packed_attention(*leaves, cu, max(lengths), impl=name)
         (out.float() * g).sum().backward()

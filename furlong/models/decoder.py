@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from furlong.models.attention import expand_kv, packed_attention, packed_kv_repeat
+from furlong.models.attention import PackedAttnFn, packed_attention_fn
 from furlong.models.hf_config import ModelArgs
 from furlong.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
@@ -34,7 +34,7 @@ class AttnInputs:
     mask: torch.Tensor | None = None        # [B, 1, T, T] bool, True = attend (None: causal)
     cu_seqlens: torch.Tensor | None = None  # [N+1] int32, packed mode when set
     max_seqlen: int = 0                     # longest packed sample
-    kv_repeat: int = 1                      # K/V heads repeated this many times before attention
+    packed_attn: PackedAttnFn | None = None  # packed mode's kernel, picked once per forward (attention.py)
 
 
 class RMSNorm(nn.Module):
@@ -62,11 +62,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
 
-    def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_repeat: int = 1
+    def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Normed hidden h [B, T, H] -> q [B, T, Hq, D], k and v [B, T, Hkv * kv_repeat, D] (q, k
-        normed and roped). kv_repeat > 1 expands GQA K/V heads here, for attention kernels without
-        GQA, so that the copy fuses with RoPE when this is compiled."""
+        """Normed hidden h [B, T, H] -> q [B, T, Hq, D], k and v [B, T, Hkv, D] (q, k normed and roped)."""
         b, t, _ = h.shape
         q = self.q_proj(h).view(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(h).view(b, t, self.num_kv_heads, self.head_dim)
@@ -74,15 +72,18 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return q, expand_kv(k, kv_repeat, 2), expand_kv(v, kv_repeat, 2)
+        return q, k, v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnInputs) -> torch.Tensor:
         """Attention core: q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq * D] (before o_proj)."""
         b, t = q.shape[:2]
         if ctx.cu_seqlens is not None:   # packed: b == 1
+            if t == 0:
+                return q.new_zeros(b, t, self.num_heads * self.head_dim)
             # squeeze, not q[0]: a select's backward writes the gradient into a new zero-filled
             # tensor (a fill and a copy of q, k and v per layer and micro-batch); a view's does not
-            out = packed_attention(q.squeeze(0), k.squeeze(0), v.squeeze(0), ctx.cu_seqlens, ctx.max_seqlen)
+            out = ctx.packed_attn(q.squeeze(0), k.squeeze(0), v.squeeze(0), ctx.cu_seqlens, ctx.max_seqlen,
+                                  self.head_dim ** -0.5)
             return out.reshape(b, t, self.num_heads * self.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # [B, H, T, D]
         mask = ctx.mask
@@ -117,21 +118,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    # A layer is three steps, so that `compile_layers` (train/fsdp.py) can compile the two around the
-    # attention kernel: the norms, RoPE, SiLU and residual adds fuse into a few kernels there.
-    def pre_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_repeat: int = 1
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, H] -> q [B, T, Hq, D], k and v [B, T, Hkv * kv_repeat, D]."""
-        return self.self_attn.project(self.input_layernorm(x), cos, sin, kv_repeat)
-
-    def post_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """x [B, T, H], attn [B, T, Hq * D] (the attention core's output) -> next x [B, T, H]."""
-        x = x + self.self_attn.o_proj(attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttnInputs) -> torch.Tensor:
-        q, k, v = self.pre_attention(x, cos, sin, ctx.kv_repeat)
-        return self.post_attention(x, self.self_attn.attend(q, k, v, ctx))
+        """x [B, T, H] -> next x [B, T, H]; cos/sin [B, T, D] fp32."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Transformer(nn.Module):
@@ -177,7 +167,7 @@ class Transformer(nn.Module):
     def _run_layers(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: AttnInputs) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         if ctx.cu_seqlens is not None:
-            ctx = dataclasses.replace(ctx, kv_repeat=packed_kv_repeat(x, self.args.num_heads // self.args.num_kv_heads))
+            ctx = dataclasses.replace(ctx, packed_attn=packed_attention_fn(x))
         cos, sin = rope_cos_sin(position_ids, self.inv_freq)
         ckpt = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:

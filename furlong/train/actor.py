@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 
 from furlong.train.batching import (move_micro_batch, pack_micro_batch, padding_micro_batch, response_positions,
-                                    response_slices)
+                                    response_slices, to_device)
 from furlong.train.optimizer_step import finish_step
 from furlong.train.distributed import all_gather_flat
 from furlong.train.fsdp import compile_enabled, micro_batch_sync, prepare_trainer_model, reshard_all
@@ -151,7 +151,7 @@ class Actor:
             real = k < len(mine)
             mb = pack_micro_batch(samples, zero_w, mine[k]) if real else padding_micro_batch(False, False)
             slices = response_slices(mb, samples)  # from the host copy: no device sync
-            positions = response_positions(slices).to(self.ctx.device, non_blocking=True)
+            positions = to_device(response_positions(slices), self.ctx.device)
             logp, _ = self._log_probs(model, move_micro_batch(mb, self.ctx.device), positions, with_entropy=False)
             for i, (s, e) in zip(mb.sample_indices, slices):
                 out[i] = logp[s:e]
@@ -214,7 +214,7 @@ class Actor:
         for k in range(num_mb):
             micro_batch_sync(self.model, k, num_mb, self.spec.shard.reshard_after_forward)
             mb = pack_micro_batch(samples, weights, mine[k]) if k < len(mine) else padding_micro_batch(has_old, has_ref)
-            positions = response_positions(response_slices(mb, samples)).to(ctx.device, non_blocking=True)
+            positions = to_device(response_positions(response_slices(mb, samples)), ctx.device)
             mb = move_micro_batch(mb, ctx.device)
             logp, ent = self._log_probs(self.model, mb, positions, with_entropy)
             if self.spec.loss.entropy_coef == 0 and ent is not None:

@@ -137,9 +137,18 @@ def empty_micro_batch(has_old_log_probs: bool = False, has_ref_log_probs: bool =
     )
 
 
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """t on `device` without making the host wait for the device: to a GPU, through pinned memory
+    (a copy from pageable memory may wait for the stream's queued work, and a train step queues
+    ~1 s of it; the step is then short of host lead at every micro-batch)."""
+    if torch.device(device).type == "cuda" and t.device.type == "cpu":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def move_micro_batch(mb: MicroBatch, device: torch.device | str) -> MicroBatch:
-    """Copy of mb with every tensor on `device` (non_blocking from pinned/host memory)."""
-    mv = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+    """Copy of mb with every tensor on `device` (see to_device)."""
+    mv = lambda t: None if t is None else to_device(t, device)  # noqa: E731
     return MicroBatch(
         input_ids=mv(mb.input_ids), position_ids=mv(mb.position_ids), cu_seqlens=mv(mb.cu_seqlens),
         max_seqlen=mb.max_seqlen, targets=mv(mb.targets), loss_weight=mv(mb.loss_weight),

@@ -120,19 +120,18 @@ def compile_enabled(flag: str, device: torch.device) -> bool:
 
 
 def compile_layers(model: nn.Module) -> None:
-    """torch.compile each decoder layer's pre- and post-attention blocks (before sharding).
+    """torch.compile each decoder layer's forward, attention included (before sharding).
 
-    pre_attention (RMSNorm, q/k/v projections, qk-norm, RoPE) and post_attention (o-projection,
-    residual, RMSNorm, SwiGLU MLP, residual) are compiled; the attention core between them stays
-    eager: its packed kernel is one op already, and the CPU fallback's per-sample loop does not
-    trace. Eager RoPE alone (fp32 casts, rotate-half cat/neg, four fp32 products, and the same
-    again in backward) took about 0.4 s of a 2 s seed train step on the H200 (BENCHMARKS.md);
-    compiled, the norms, RoPE, SiLU and residual adds become a few fused kernels per block, forward
-    and backward. Only the instance's methods are replaced, so parameter names stay the same (no
-    `_orig_mod.` prefix for checkpoints and weight sync) and FSDP's hooks run eagerly around the
-    layer. Every layer runs the same code, so one compiled graph (per block, per grad mode) serves
-    all layers. dynamic=True: micro-batch token counts change every time.
+    One graph per layer: RMSNorm, the q/k/v projections, qk-norm and RoPE, the packed attention
+    (a single op either way, models/attention.py), the o-projection, residuals and the SwiGLU MLP;
+    the norms, RoPE, SiLU and residual adds fuse into a few kernels, forward and backward. Eager
+    RoPE alone took about 0.4 s of a 2 s seed train step on the H200 (BENCHMARKS.md). One graph
+    rather than two around an eager attention call halves the host's per-layer work (guard checks,
+    graph wrappers, autograd nodes): the step's host time nearly matched its GPU time (BENCHMARKS.md,
+    session 6). Only the instance's forward is replaced, so parameter names stay the same (no
+    `_orig_mod.` prefix for checkpoints and weight sync) and FSDP's hooks run eagerly around it.
+    Every layer runs the same code, so one compiled graph (per grad mode) serves all layers.
+    dynamic=True: micro-batch token counts change every time.
     """
     for layer in model.layers:
-        layer.pre_attention = torch.compile(layer.pre_attention, dynamic=True)
-        layer.post_attention = torch.compile(layer.post_attention, dynamic=True)
+        layer.forward = torch.compile(layer.forward, dynamic=True)
