@@ -67,6 +67,22 @@ def kind(name: str) -> str:
     return "other"
 
 
+def _gaps_ms(intervals: list[tuple[float, float]], top: int = 12) -> tuple[float, list[list[float]]]:
+    """(kernel span ms, the largest idle gaps between kernels as [start ms from the first kernel, ms])."""
+    merged: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    if not merged:
+        return 0.0, []
+    t0 = merged[0][0]
+    gaps = [[(a[1] - t0) / 1000, (b[0] - a[1]) / 1000] for a, b in zip(merged, merged[1:])]
+    gaps = sorted(gaps, key=lambda g: -g[1])[:top]
+    return (merged[-1][1] - t0) / 1000, [[round(a, 2), round(b, 3)] for a, b in gaps]
+
+
 def _busy_us(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of [start, end) intervals (us)."""
     total, end_max = 0.0, None
@@ -227,6 +243,7 @@ def main() -> None:
         per_kernel[e.name[:120]] += us / 1000
         counts[e.name[:120]] += 1
     busy_ms = _busy_us(intervals) / 1000
+    span_ms, gaps = _gaps_ms(intervals)
     res = {"label": a.label, "old": olds, "num_tokens": num_tokens, "budget": a.budget, "recompute": a.recompute,
            "reshard_after_forward": a.reshard_after_forward, "host_only": a.host_only,
            "skip_guard_eval": a.skip_guard_eval,
@@ -234,6 +251,8 @@ def main() -> None:
            "host_s_all": [r[2] for r in runs], "gpu_s_all": [r[3] for r in runs],
            "tok_per_s": num_tokens / step_s, "peak_gib": peak, "profiled_wall_ms": prof_wall * 1000,
            "gpu_busy_ms": busy_ms, "gpu_idle_ms": prof_wall * 1000 - busy_ms,
+           # idle before the first and after the last kernel (host work around the step's kernels)
+           "gpu_idle_outside_kernels_ms": prof_wall * 1000 - span_ms, "largest_gaps_ms": gaps,
            "kernel_ms_by_kind": dict(sorted(per_kind.items(), key=lambda kv: -kv[1])),
            "top_kernels_ms": {k: [round(v, 2), counts[k]] for k, v in
                               sorted(per_kernel.items(), key=lambda kv: -kv[1])[:40]}}
