@@ -126,10 +126,11 @@ def compile_layers(model: nn.Module) -> None:
     (a single op either way, models/attention.py), the o-projection, residuals and the SwiGLU MLP;
     the norms, RoPE, SiLU and residual adds fuse into a few kernels, forward and backward. Eager
     RoPE alone took about 0.4 s of a 2 s seed train step on the H200 (BENCHMARKS.md). One graph
-    rather than two around an eager attention call halves the host's per-layer work (guard checks,
-    graph wrappers, autograd nodes): the step's host time nearly matched its GPU time (BENCHMARKS.md,
-    session 6). Only the instance's forward is replaced, so parameter names stay the same (no
-    `_orig_mod.` prefix for checkpoints and weight sync) and FSDP's hooks run eagerly around it.
+    rather than two around an eager attention call halves the compiled calls, guard checks and
+    autograd nodes per layer: the host's work for the seed step went from ~0.6 s to 0.40-0.53 s,
+    against ~1.2 s of GPU work (BENCHMARKS.md, session 6). Only the instance's forward is replaced,
+    so parameter names stay the same (no `_orig_mod.` prefix for checkpoints and weight sync) and
+    FSDP's hooks run eagerly around it.
     Every layer runs the same code, so one compiled graph (per grad mode) serves all layers.
     dynamic=True: micro-batch token counts change every time.
     """
