@@ -140,7 +140,8 @@ def empty_micro_batch(has_old_log_probs: bool = False, has_ref_log_probs: bool =
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """t on `device` without making the host wait for the device: to a GPU, through pinned memory
     (a copy from pageable memory may wait for the stream's queued work, and a train step queues
-    ~1 s of it; the step is then short of host lead at every micro-batch)."""
+    ~1 s of it; pinned, the seed step's copy calls took 8 ms of host time instead of 92 ms,
+    BENCHMARKS.md session 6). The pinned staging copy is freed once the transfer has run."""
     if torch.device(device).type == "cuda" and t.device.type == "cpu":
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
