@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from furlong.models import ModelArgs, Transformer, hf_state_dict, load_pretrained, save_hf
 from furlong.models.attention import packed_attention
+from furlong.models.rope import rope_inv_freq
 from tiny_checkpoints import TOKENIZER_SIZE, write_tiny_checkpoint
 
 VOCAB = 128
@@ -81,7 +82,10 @@ def test_transformers4_style_config():
 @pytest.mark.parametrize("bad, key", [
     ({"model_type": "gpt2"}, "model_type"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
-    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, "rope_parameters"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "rope_parameters"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}}, "rope_parameters.factor"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+                       "original_max_position_embeddings": 64}}, "rope_scaling.high_freq_factor"),
     ({"hidden_act": "gelu"}, "hidden_act"),
 ])
 def test_config_errors_name_key(ckpts, tmp_path, bad, key):
@@ -90,6 +94,32 @@ def test_config_errors_name_key(ckpts, tmp_path, bad, key):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=f"config.json.*{key}"):
         ModelArgs.from_dir(tmp_path)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("scaling", [LLAMA3_ROPE, {"rope_type": "linear", "factor": 4.0}],
+                         ids=["llama3", "linear"])
+def test_rope_scaling_matches_transformers(tmp_path, scaling):
+    """Scaled RoPE (Llama 3.1's, linear) gives transformers' logits over 200 positions, and survives a
+    save/load round trip. head_dim 8, theta 1e4: wavelengths 6.3, 63, 628 and 6283 positions put one
+    frequency in each llama3 band (kept, interpolated, divided) for an original context of 64."""
+    path = write_tiny_checkpoint(tmp_path / "ckpt", family="llama", vocab_size=VOCAB, hidden=32, heads=4,
+                                 kv_heads=2, rope_scaling=scaling)
+    model = load_pretrained(path)
+    assert model.args.rope_scaling is not None and model.args.rope_scaling.rope_type == scaling["rope_type"]
+    plain = rope_inv_freq(model.args.head_dim, model.args.rope_theta)
+    assert not torch.allclose(model.inv_freq, plain)   # the scaling is in effect
+    ids = torch.randint(0, VOCAB, (2, 200), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = model(ids)
+    torch.testing.assert_close(ours, _hf_logits(path, ids), rtol=1e-4, atol=1e-4)
+    save_hf(model, model.args, tmp_path / "saved")
+    again = load_pretrained(tmp_path / "saved")
+    assert again.args.rope_scaling == model.args.rope_scaling
+    torch.testing.assert_close(again.inv_freq, model.inv_freq)
 
 
 def _packed_batch(lengths, seed=0):

@@ -55,8 +55,11 @@ def write_tiny_checkpoint(out_dir: str | Path, family: str = "qwen3", vocab_size
                           layers: int = 2, heads: int = 4, kv_heads: int = 2, tie: bool = True, seed: int = 0,
                           num_shards: int = 1, with_tokenizer: bool = True, intermediate: int | None = None,
                           attention_bias: bool = False, rope_theta: float = 10000.0,
-                          init_std: float = 0.1, max_position_embeddings: int = 512) -> Path:
+                          init_std: float = 0.1, max_position_embeddings: int = 512,
+                          rope_scaling: dict | None = None) -> Path:
     """Write a random fp32 HF checkpoint (+ tokenizer) into out_dir and return it.
+
+    rope_scaling: extra rope_parameters fields, e.g. {"rope_type": "llama3", "factor": 8.0, ...}.
 
     num_shards > 1 writes model-0000k-of-0000n.safetensors shards plus the index json.
     """
@@ -71,7 +74,7 @@ def write_tiny_checkpoint(out_dir: str | Path, family: str = "qwen3", vocab_size
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         head_dim=hidden // heads, max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6,
         tie_word_embeddings=tie, attention_bias=attention_bias, initializer_range=init_std,
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta, **(rope_scaling or {})},
         bos_token_id=None, eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
     )
     torch.manual_seed(seed)

@@ -2,7 +2,7 @@
 
 pre-norm blocks: x += Attn(RMSNorm(x)); x += SwiGLU(RMSNorm(x)); final RMSNorm;
 output projection (the embedding matrix when tied). Attention is GQA with RoPE
-(fp32, the checkpoint's theta), optional q/k/v/o biases and Qwen3's qk-norm.
+(fp32, the checkpoint's theta and scaling), optional q/k/v/o biases and Qwen3's qk-norm.
 RMSNorm computes in fp32 and casts back before the weight, as transformers does.
 
 Two ways in, one layer stack:
@@ -133,7 +133,8 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         # Non-persistent: never in a checkpoint; recomputed in fp32 after every move/cast (_apply).
-        self.register_buffer("inv_freq", rope_inv_freq(args.head_dim, args.rope_theta), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(args.head_dim, args.rope_theta, scaling=args.rope_scaling),
+                             persistent=False)
         self.gradient_checkpointing = False
         self.init_weights()
 
@@ -151,7 +152,8 @@ class Transformer(nn.Module):
         """(Re)compute the fp32 RoPE frequencies on the buffer's device."""
         device = self.inv_freq.device
         if device.type != "meta":
-            self.inv_freq = rope_inv_freq(self.args.head_dim, self.args.rope_theta, device=device)
+            self.inv_freq = rope_inv_freq(self.args.head_dim, self.args.rope_theta, device=device,
+                                          scaling=self.args.rope_scaling)
 
     def _apply(self, fn, recurse=True):
         # .to(bf16) / to_empty would otherwise cast or blank the fp32 frequencies.

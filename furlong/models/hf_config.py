@@ -6,9 +6,9 @@ few switches, set per `model_type` by the small functions in `_FAMILIES`:
   qwen2: bias on q/k/v always, none on o
   qwen3: per-head RMSNorm on q and k (qk-norm); `attention_bias` on q/k/v/o
 Both the transformers-4 layout (`rope_theta`, `rope_scaling`, `torch_dtype`) and
-the transformers-5 layout (`rope_parameters`, `dtype`) are read. Only plain RoPE
-is supported: a scaling type other than None/"default" is a ValueError, as are
-sliding-window attention and activations other than SiLU.
+the transformers-5 layout (`rope_parameters`, `dtype`) are read. RoPE is plain or
+rescaled by "linear" or "llama3" (rope.py: Llama 3.1-3.3 checkpoints); another scaling
+type is a ValueError, as are sliding-window attention and activations other than SiLU.
 """
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from furlong.models.rope import SCALINGS, RopeScaling
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -34,6 +36,7 @@ class ModelArgs:
     num_kv_heads: int
     head_dim: int
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None   # None: plain RoPE
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     qkv_bias: bool = False           # bias on q/k/v projections
@@ -97,6 +100,7 @@ class ModelArgs:
             num_kv_heads=positive_int("num_key_value_heads", heads) if cfg.get("num_key_value_heads") else heads,
             head_dim=head_dim,
             rope_theta=_rope_theta(cfg, source),
+            rope_scaling=_rope_scaling(cfg, source),
             rms_norm_eps=positive_float("rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings")),
             max_position_embeddings=(positive_int("max_position_embeddings")
@@ -144,10 +148,11 @@ class ModelArgs:
                           else (self.eos_token_ids or None)),
             dtype=dtype_name, torch_dtype=dtype_name,
         )
-        # Write RoPE both ways so transformers 4 and 5 read the same theta.
+        # Write RoPE both ways so transformers 4 and 5 read the same theta and scaling.
+        scaling = _scaling_fields(self.rope_scaling)
         cfg["rope_theta"] = self.rope_theta
-        cfg["rope_scaling"] = None
-        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        cfg["rope_scaling"] = scaling
+        cfg["rope_parameters"] = {"rope_type": "default", **(scaling or {}), "rope_theta": self.rope_theta}
         if self.model_type in ("llama", "qwen3"):
             cfg["attention_bias"] = self.qkv_bias
         if self.model_type == "llama":
@@ -155,15 +160,55 @@ class ModelArgs:
         return cfg
 
 
+def _scaling_block(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """(key, block) of the config's RoPE scaling that is not plain, if any: transformers 5 keeps it in
+    rope_parameters, 4 in rope_scaling (both may be written; they then agree)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        block = cfg.get(key)
+        if block is not None and block.get("rope_type", block.get("type", "default")) not in (None, "default"):
+            return key, block
+    return None
+
+
+def _rope_scaling(cfg: dict[str, Any], source: str) -> RopeScaling | None:
+    """The config's RoPE rescaling (rope.py), or None for plain RoPE; rejects the ones not implemented."""
+    found = _scaling_block(cfg)
+    if found is None:
+        return None
+    key, block = found
+    kind = block.get("rope_type", block.get("type"))
+    if kind not in SCALINGS:
+        raise ValueError(f"{source}: unsupported RoPE scaling type {kind!r} (key {key!r}; "
+                         f"supported: default, {', '.join(SCALINGS)})")
+
+    def number(name: str, default: float | None = None) -> float:
+        value = block.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{source}: {key}.{name} must be a positive number for {kind!r} RoPE, got {value!r}")
+        return value
+
+    if kind == "linear":
+        return RopeScaling("linear", float(number("factor")))
+    low, high = float(number("low_freq_factor")), float(number("high_freq_factor"))
+    if high <= low:
+        raise ValueError(f"{source}: {key}.high_freq_factor ({high}) must exceed low_freq_factor ({low})")
+    return RopeScaling("llama3", float(number("factor")), low, high, int(number("original_max_position_embeddings")))
+
+
+def _scaling_fields(scaling: RopeScaling | None) -> dict[str, Any] | None:
+    """A RopeScaling as config.json writes it (None for plain RoPE)."""
+    if scaling is None:
+        return None
+    if scaling.rope_type == "linear":
+        return {"rope_type": "linear", "factor": scaling.factor}
+    return {"rope_type": scaling.rope_type, "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings}
+
+
 def _rope_theta(cfg: dict[str, Any], source: str) -> float:
-    """RoPE base; rejects any scaling we do not implement."""
+    """RoPE base (the scaling, if any, is _rope_scaling's)."""
     params = cfg.get("rope_parameters")
-    for key, block in (("rope_scaling", cfg.get("rope_scaling")), ("rope_parameters", params)):
-        if block is None:
-            continue
-        kind = block.get("rope_type", block.get("type", "default"))
-        if kind not in (None, "default"):
-            raise ValueError(f"{source}: unsupported RoPE scaling type {kind!r} (key {key!r}; only default)")
     # transformers 5 writes "rope_theta": null next to rope_parameters; 4 has no rope_parameters.
     theta = (params or {}).get("rope_theta") or cfg.get("rope_theta") or 10000.0
     return float(theta)
