@@ -104,7 +104,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
                          ids=["llama3", "linear"])
 def test_rope_scaling_matches_transformers(tmp_path, scaling):
     """Scaled RoPE (Llama 3.1's, linear) gives transformers' logits over 200 positions, and survives a
-    save/load round trip. head_dim 8, theta 1e4: wavelengths 6.3, 63, 628 and 6283 positions put one
+    save/load round trip (ours and transformers' reading of the saved config). head_dim 8, theta 1e4: wavelengths 6.3, 63, 628 and 6283 positions put one
     frequency in each llama3 band (kept, interpolated, divided) for an original context of 64."""
     path = write_tiny_checkpoint(tmp_path / "ckpt", family="llama", vocab_size=VOCAB, hidden=32, heads=4,
                                  kv_heads=2, rope_scaling=scaling)
@@ -120,6 +120,7 @@ def test_rope_scaling_matches_transformers(tmp_path, scaling):
     again = load_pretrained(tmp_path / "saved")
     assert again.args.rope_scaling == model.args.rope_scaling
     torch.testing.assert_close(again.inv_freq, model.inv_freq)
+    torch.testing.assert_close(_hf_logits(tmp_path / "saved", ids), ours, rtol=1e-4, atol=1e-4)   # as saved
 
 
 def _packed_batch(lengths, seed=0):
