@@ -15,27 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
 
+from furlong.bench.measure import median_ms
 from furlong.bench.workload import load_workload
 
 HQ, HKV, D = 16, 8, 128
-
-
-def seed_lengths(budget: int = 32768) -> list[int]:
-    w = load_workload(Path(__file__).with_name("seed_workload.json"))
-    n = w.n_samples_per_prompt
-    lens, total = [], 0
-    for i, r in enumerate(w.response_lens):
-        length = w.prompt_lens[i // n] + r
-        if total + length > budget:
-            break
-        lens.append(length)
-        total += length
-    return lens
 
 
 def _flash(q, k, v, cu, m, g):
@@ -74,25 +61,11 @@ def _expanded(fn):
 KERNELS = {"flash_gqa": _flash, "flash_mha": _expanded(_flash), "cudnn_mha": _expanded(_cudnn), "cudnn_gqa": _cudnn}
 
 
-def _time_ms(fn, n: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
-    lens = seed_lengths()
+    lens = [p + r for p, r in load_workload(Path(__file__).with_name("seed_workload.json")).first_micro_batch(32768)]
     total = sum(lens)
     cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
     m = max(lens)
@@ -109,8 +82,8 @@ def main() -> None:
         try:
             out, grads = fn(q, k, v, cu, m, g)
             diff = max((x.float() - y.float()).abs().max().item() for x, y in zip((out, *grads), (ref[0], *ref[1])))
-            fwd = _time_ms(lambda: fn(q, k, v, cu, m, None))
-            both = _time_ms(lambda: fn(q, k, v, cu, m, g))
+            fwd = median_ms(lambda: fn(q, k, v, cu, m, None), q.device, 20)
+            both = median_ms(lambda: fn(q, k, v, cu, m, g), q.device, 20)
             res["kernels"][name] = {"fwd_ms": fwd, "fwd_bwd_ms": both, "fwd_tflops": flops / fwd / 1e9,
                                     "max_abs_diff_vs_flash_gqa": diff}
         except Exception as e:   # a missing or refusing kernel is a result here

@@ -20,54 +20,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from furlong.bench.measure import median_ms, peak_gib, reset_peak
 from furlong.bench.workload import load_workload
 from furlong.train.logprobs import chunked_log_probs, keep_logits_budget
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 
 
-def seed_samples(budget: int = 32768) -> list[tuple[int, int]]:
-    """(prompt, response) lengths of the seed step's first micro-batch."""
-    w = load_workload(Path(__file__).with_name("seed_workload.json"))
-    out, total = [], 0
-    for i, r in enumerate(w.response_lens):
-        p = w.prompt_lens[i // w.n_samples_per_prompt]
-        if total + p + r > budget:
-            break
-        out.append((p, r))
-        total += p + r
-    return out
-
-
 def _time_ms(fn: Callable[[], None], device: torch.device, n: int = 5) -> tuple[float, float]:
-    """(median ms of n calls after one warm-up, peak GiB above what was allocated before)."""
-    fn()
-    if device.type != "cuda":
-        import time
-        times = []
-        for _ in range(n):
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1000)
-        return statistics.median(times), 0.0
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**30
+    """(median ms of n calls after a warm-up, peak GiB above what was allocated before; 0 on CPU)."""
+    base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    reset_peak(device)
+    ms = median_ms(fn, device, n)
+    peak = peak_gib(device)
+    return ms, 0.0 if peak is None else peak - base / 2**30
 
 
 def part_lmhead(device: torch.device, dtype: torch.dtype, samples: list[tuple[int, int]], hidden_size: int,
@@ -197,7 +168,8 @@ def main() -> None:
     if a.tiny:
         res["lmhead"] = part_lmhead(torch.device("cpu"), torch.float32, [(3, 5), (2, 9), (4, 1), (2, 7)], 32, 97)
     else:
-        device, samples = torch.device("cuda"), seed_samples()
+        device = torch.device("cuda")
+        samples = load_workload(Path(__file__).with_name("seed_workload.json")).first_micro_batch(32768)
         for part in a.parts.split(","):
             if part == "lmhead":
                 res["lmhead"] = part_lmhead(device, torch.bfloat16, samples, 1024, 151936)

@@ -202,3 +202,23 @@ def test_seed_workload_in_repo_parses():
     assert (w.trl_micro_batch_size, w.trl_warmup_steps, w.trl_timed_steps) == (16, 2, 3)   # 16 x 16 = 256
     # 141,730 tokens at 32,768 per micro-batch: 5 micro-batches on one GPU
     assert len(plan_micro_batches(w.sample_lengths(), w.max_tokens_per_gpu)) == 5
+
+
+def test_first_micro_batch_is_the_samples_that_fit_in_order():
+    w = bench.load_workload(SEED_WORKLOAD)
+    mb = w.first_micro_batch(32768)
+    lengths = w.sample_lengths()
+    assert [p + r for p, r in mb] == lengths[:len(mb)]
+    assert sum(lengths[:len(mb)]) <= 32768 < sum(lengths[:len(mb) + 1])
+    assert mb[0] == (w.prompt_lens[0], w.response_lens[0])
+
+
+def test_median_ms_times_each_call_after_a_warm_up():
+    from furlong.bench.measure import median_ms
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.01 * len(calls))      # 10, 20, 30, 40 ms: the warm-up (10 ms) is not counted
+    ms = median_ms(fn, torch.device("cpu"), 3)
+    assert len(calls) == 4 and 28 <= ms < 39

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import signal
+import statistics
 import threading
 import time
 from contextlib import contextmanager
@@ -54,6 +55,25 @@ def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
     out = fn()
     sync(device)
     return out, time.perf_counter() - t
+
+
+def median_ms(fn: Callable[[], Any], device: torch.device, n: int) -> float:
+    """Median ms of n calls of fn after one warm-up call, each timed alone: by CUDA events on a GPU
+    (kernel time without the host's clock reads), by the wall clock elsewhere."""
+    fn()
+    times = []
+    for _ in range(n):
+        if device.type != "cuda":
+            times.append(timed(fn, device)[1] * 1000)
+            continue
+        sync(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        sync(device)
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def reset_peak(device: torch.device) -> None:

@@ -63,6 +63,18 @@ class Workload:
         n = self.n_samples_per_prompt
         return [self.prompt_lens[i // n] + r for i, r in enumerate(self.response_lens)]
 
+    def first_micro_batch(self, budget: int) -> list[tuple[int, int]]:
+        """(prompt, response) tokens of the samples, in order, that fit in `budget` tokens: the shape of
+        one packed micro-batch for kernel-level benches."""
+        n, out, total = self.n_samples_per_prompt, [], 0
+        for i, r in enumerate(self.response_lens):
+            p = self.prompt_lens[i // n]
+            if total + p + r > budget:
+                break
+            out.append((p, r))
+            total += p + r
+        return out
+
 
 def load_workload(path: str | Path) -> Workload:
     """Parse a workload JSON; ValueError names the file and key."""
