@@ -124,14 +124,14 @@ class _ChunkedLogProbs(torch.autograd.Function):
         ent = torch.empty_like(logp) if with_entropy else None
         kept: list[torch.Tensor] = []   # the first chunks' raw logits [C, V], while they fit the budget
         room = keep_logits_bytes
-        for s in range(0, num_tokens, chunk_size):
+        for i, s in enumerate(range(0, num_tokens, chunk_size)):
             e = min(s + chunk_size, num_tokens)
             zb = hidden[s:e] @ weight.t()
             lse[s:e], logp[s:e], ent_c = stats(zb, targets[s:e], temperature, with_entropy)
             if with_entropy:
                 ent[s:e] = ent_c
             nbytes = zb.numel() * zb.element_size()
-            if len(kept) == s // chunk_size and nbytes <= room:
+            if len(kept) == i and nbytes <= room:   # a prefix: backward finds chunk i at kept[i]
                 kept.append(zb)
                 room -= nbytes
         ctx.temperature, ctx.chunk_size, ctx.with_entropy, ctx.impl = temperature, chunk_size, with_entropy, impl
