@@ -67,33 +67,26 @@ def kind(name: str) -> str:
     return "other"
 
 
-def _gaps_ms(intervals: list[tuple[float, float]], top: int = 12) -> tuple[float, list[list[float]]]:
-    """(kernel span ms, the largest idle gaps between kernels as [start ms from the first kernel, ms])."""
+def _merged(intervals: list[tuple[float, float]]) -> list[list[float]]:
+    """The union of [start, end) intervals as disjoint sorted [start, end] pairs."""
     merged: list[list[float]] = []
     for s, e in sorted(intervals):
         if merged and s <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], e)
         else:
             merged.append([s, e])
+    return merged
+
+
+def _gaps_ms(merged: list[list[float]], top: int = 12) -> tuple[float, list[list[float]]]:
+    """(kernel span ms, the largest idle gaps between kernels as [start ms from the first kernel, ms])
+    of `_merged` kernel intervals (us)."""
     if not merged:
         return 0.0, []
     t0 = merged[0][0]
     gaps = [[(a[1] - t0) / 1000, (b[0] - a[1]) / 1000] for a, b in zip(merged, merged[1:])]
     gaps = sorted(gaps, key=lambda g: -g[1])[:top]
     return (merged[-1][1] - t0) / 1000, [[round(a, 2), round(b, 3)] for a, b in gaps]
-
-
-def _busy_us(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of [start, end) intervals (us)."""
-    total, end_max = 0.0, None
-    for s, e in sorted(intervals):
-        if end_max is None or s > end_max:
-            total += e - s
-            end_max = e
-        elif e > end_max:
-            total += e - end_max
-            end_max = e
-    return total
 
 
 def _old_keep_logits(actor) -> None:
@@ -242,8 +235,9 @@ def main() -> None:
         per_kind[kind(e.name)] += us / 1000
         per_kernel[e.name[:120]] += us / 1000
         counts[e.name[:120]] += 1
-    busy_ms = _busy_us(intervals) / 1000
-    span_ms, gaps = _gaps_ms(intervals)
+    merged = _merged(intervals)
+    busy_ms = sum(e - s for s, e in merged) / 1000
+    span_ms, gaps = _gaps_ms(merged)
     res = {"label": a.label, "old": olds, "num_tokens": num_tokens, "budget": a.budget, "recompute": a.recompute,
            "reshard_after_forward": a.reshard_after_forward, "host_only": a.host_only,
            "skip_guard_eval": a.skip_guard_eval,
