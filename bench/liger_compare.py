@@ -82,11 +82,21 @@ def part_lmhead(device: torch.device, dtype: torch.dtype, samples: list[tuple[in
         loss.backward()
         return loss.detach(), h.grad[row, col], w.grad
 
+    def liger_tf32():
+        # liger's backward runs its GEMMs in fp32 (grad_logits @ weight.float()); TF32 is off by default in
+        # torch, and a user who turns it on gets this figure
+        old_tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+        try:
+            return liger()
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = old_tf32
+
     keep = keep_logits_budget(device)
     ref = ours(keep)
     res = {"num_samples": batch, "num_response_tokens": num_resp, "padded_tokens": batch * t_max, "vocab": vocab}
     for name, fn in (("furlong_kept_logits", lambda: ours(keep)), ("furlong_recomputed", lambda: ours(0)),
-                     ("liger_grpo", liger)):
+                     ("liger_grpo", liger), ("liger_grpo_tf32", liger_tf32)):
         loss, gh, gw = fn()
         ms, gib = _time_ms(fn, device)
         res[name] = {"ms": ms, "peak_gib": gib, "loss": float(loss),
@@ -163,8 +173,8 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke check of the lmhead part (fp32, tiny shapes)")
     a = ap.parse_args()
-    import liger_kernel
-    res: dict = {"torch": torch.__version__, "liger_kernel": getattr(liger_kernel, "__version__", "unknown")}
+    from importlib.metadata import version
+    res: dict = {"torch": torch.__version__, "liger_kernel": version("liger_kernel")}
     if a.tiny:
         res["lmhead"] = part_lmhead(torch.device("cpu"), torch.float32, [(3, 5), (2, 9), (4, 1), (2, 7)], 32, 97)
     else:
