@@ -1,9 +1,13 @@
 """Where one decode step's time goes (device), kernels grouped by kind.
 
-The decode probe's shape (B rows, mean context prompt + new/2) on random Qwen3-0.6B weights, profiled with torch.profiler over eager steps
-(the same kernels the CUDA graph replays), kernels grouped by kind; plus the graphed step's time.
+B rows at one context on random Qwen3-0.6B weights, profiled with torch.profiler over eager steps
+(the same kernels the CUDA graph replays), kernels grouped by kind; plus the graphed step's time
+with cascade attention on and off (alternating, 3 each, same rows).
 
-    python3 bench/profile_decode.py [--batch 256] [--context 384] [--out DIR]
+    python3 bench/profile_decode.py [--batch 256] [--context 384] [--prompt P] [--group N] [--no-cascade]
+        [--out DIR]
+--group N: the B rows are B/N requests of N samples each (one shared prompt per request: cascade
+attention reads it once per group unless --no-cascade); default 1, every row its own prompt.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import torch
 from furlong.bench.state import NullTokenizer
 from furlong.bench.workload import load_workload
 from furlong.engine import Engine, EngineConfig, Request, SamplingParams
+from furlong.engine.cascade import plan_groups
 from furlong.models.decoder import Transformer
 from furlong.models.hf_config import ModelArgs
 
@@ -39,35 +44,47 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--context", type=int, default=384)
+    ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default: the whole context)")
+    ap.add_argument("--group", type=int, default=1, help="samples per prompt (rows sharing one prompt)")
+    ap.add_argument("--no-cascade", action="store_true", help="profile with cascade off (both are timed)")
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
+    prompt_len = a.context if a.prompt is None else a.prompt
+    if a.batch % a.group or not 0 < prompt_len <= a.context:
+        ap.error(f"--group {a.group} must divide --batch {a.batch}; --prompt must be in [1, --context]")
     w = load_workload(Path(__file__).with_name("seed_workload.json"))
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = Transformer(ModelArgs.from_hf_config(w.model)).to(torch.bfloat16).eval()
-    prompt_len, steps = a.context, 24
-    eng = Engine(model, NullTokenizer(), [], EngineConfig(max_model_len=prompt_len + 4 * steps,
-                                                          max_num_seqs=a.batch))
-    prompts = torch.randint(0, w.model["vocab_size"], (a.batch, prompt_len)).tolist()
-    params = SamplingParams(temperature=1.0, max_new_tokens=4 * steps, ignore_eos=True)
+    steps = 24
+    eng = Engine(model, NullTokenizer(), [], EngineConfig(max_model_len=a.context + 4 * steps, max_num_seqs=a.batch))
+    prompts = torch.randint(0, w.model["vocab_size"], (a.batch // a.group, prompt_len)).tolist()
+    params = SamplingParams(temperature=1.0, max_new_tokens=a.context - prompt_len + 4 * steps, ignore_eos=True)
     for i, p in enumerate(prompts):
-        eng.add(Request(i, p, params, seed=i))
+        eng.add(Request(i, p, params, n=a.group, seed=i))
     while eng.scheduler.waiting:
         eng.step()                                  # prefill all rows (several packed prefills)
     eng.step()                                      # one graphed window (captures the bucket)
+    while min(s.num_tokens for s in eng.scheduler.running) < a.context:
+        eng.step()                                  # decode up to the context
     seqs = list(eng.scheduler.running)
     for s in seqs:                                  # pages for the windows run below, outside the scheduler
         eng.scheduler.blocks.grow(s.block_table, s.num_tokens + 32)
     runner = eng.runner
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    out = runner.decode(seqs, 8)                    # graphed: 8 replays, one sync
-    graphed_ms = (time.perf_counter() - t) * 1000 / 8
+    graphed: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(3):                              # cascade on and off, alternating, same rows
+        for cascade in (True, False):
+            runner.cascade = cascade
+            runner.decode(seqs, 1)                  # captures this variant's graph on first use
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            runner.decode(seqs, 8)                  # graphed: 8 replays, one sync
+            graphed[cascade].append((time.perf_counter() - t) * 1000 / 8)
+    runner.cascade = not a.no_cascade
     runner.use_cuda_graphs = False
     runner.decode(seqs, 2)                          # eager warm-up at this batch
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         runner.decode(seqs, 4)
-    del out
     per_kind: dict[str, float] = defaultdict(float)
     per_kernel: dict[str, float] = defaultdict(float)
     for e in prof.key_averages():
@@ -77,7 +94,10 @@ def main() -> None:
         per_kind[kind(e.key)] += us / 4 / 1000
         per_kernel[e.key] += us / 4 / 1000
     total = sum(per_kind.values())
-    res = {"batch": a.batch, "context": a.context, "graphed_step_ms": graphed_ms, "kernel_ms_per_step": total,
+    res = {"batch": a.batch, "context": a.context, "prompt": prompt_len, "group": a.group,
+           "grouped_rows": sum(1 for p in plan_groups(seqs, runner.members)[0] if p > 0),
+           "graphed_step_ms": sorted(graphed[runner.cascade])[1], "graphed_step_ms_cascade": graphed[True],
+           "graphed_step_ms_no_cascade": graphed[False], "profiled_cascade": runner.cascade, "kernel_ms_per_step": total,
            "by_kind_ms": dict(sorted(per_kind.items(), key=lambda kv: -kv[1])),
            "top_kernels_ms": dict(sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15])}
     Path(a.out).mkdir(parents=True, exist_ok=True)

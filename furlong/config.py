@@ -61,6 +61,7 @@ class RolloutConfig:
     rollout_max_num_seqs: int = flag(512, "engine: most sequences decoded together (largest CUDA-graph batch)")
     rollout_decode_window: int = flag(16, "engine: decode steps between host syncs (finished rows leave then)")
     rollout_enforce_eager: bool = flag(False, "engine: no CUDA graphs (debugging)")
+    rollout_no_cascade: bool = flag(False, "engine: each sample reads its prompt's KV itself, not once per group")
     sglang_decode_log_interval: int | None = flag(None, "SGLang only", sglang=True)
     sglang_enable_metrics: bool = flag(False, "SGLang only", sglang=True)
 

@@ -75,6 +75,7 @@ def test_greedy_equals_no_cache_loop_with_joins_leaves_and_sharing(ckpt, prompts
             torch.testing.assert_close(torch.tensor(c.log_probs), lp, atol=1e-4, rtol=0)
     if kw.get("cpu_kv_tokens") == 96:
         assert eng.stats.num_preemptions > 0       # the small cache really forced recomputation
+    assert eng.stats.num_grouped_rows > 0         # samples of one request read their prompt through a group
     assert eng.scheduler.blocks.num_used == 0     # every page back
 
 

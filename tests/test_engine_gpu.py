@@ -41,6 +41,37 @@ def test_paged_decode_attention_matches_reference(dtype, num_splits):
     assert rel_err(out, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_cascade_decode_attention_matches_reference(dtype, num_splits):
+    """Rows in groups read positions < their group's prefix through the first member's pages, the
+    rest through their own; rows outside groups (and a padded row) read everything themselves."""
+    from furlong.engine.cascade import PrefixGroups, cascade_attention_reference, cascade_members
+    from furlong.engine.kernels import paged_decode_attention
+    g = torch.Generator(device="cuda").manual_seed(10 + num_splits)
+    rows, hq, hkv, d, page, pages = 13, 16, 8, 128, 64, 400
+    keys = torch.randn(pages, hkv, page, d, device="cuda", generator=g).to(dtype)
+    values = torch.randn(pages, hkv, page, d, device="cuda", generator=g).to(dtype)
+    lens = torch.tensor([0, 71, 80, 135, 300, 1000, 72, 90, 200, 131, 5, 700, 64], dtype=torch.int32, device="cuda")
+    tables = (torch.randperm(pages - 1, device="cuda", generator=g)[:rows * 20] + 1).view(rows, 20).to(torch.int32)
+    members = cascade_members(hq, hkv)
+    group_rows = torch.full((rows, members), -1, dtype=torch.int32, device="cuda")
+    group_rows[0, :8] = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8])       # prefix 70: one page and a partial one
+    group_rows[1, :2] = torch.tensor([11, 9])                          # prefix 130, first member the longer row
+    group_prefix = torch.zeros(rows, dtype=torch.int32, device="cuda")
+    group_prefix[:2] = torch.tensor([70, 130])
+    prefix_lens = torch.tensor([0, 70, 70, 70, 70, 70, 70, 70, 70, 130, 0, 130, 0], dtype=torch.int32, device="cuda")
+    groups = PrefixGroups(prefix_lens, group_rows, group_prefix)
+    q = torch.randn(rows, hq, d, device="cuda", generator=g).to(dtype)
+    out = paged_decode_attention(q, keys, values, tables, lens, num_splits, prefix=groups)
+    ref = cascade_attention_reference(q.double(), keys.double(), values.double(), tables, lens, groups)
+    assert torch.isfinite(out).all() and out[0].abs().max() == 0
+    assert rel_err(out, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    for r in (10, 12):      # ungrouped rows: as the plain kernel
+        plain = paged_decode_attention(q, keys, values, tables, lens, num_splits)
+        assert rel_err(out[r], plain[r]) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
 def test_store_kv_matches_index_put():
     from furlong.engine.kernels import store_kv
     g = torch.Generator(device="cuda").manual_seed(2)
@@ -111,6 +142,8 @@ def test_engine_greedy_equals_no_cache_loop_with_graphs():
             for i, (p, k) in enumerate(zip(prompts, news))]
     out = eng.generate(reqs)
     assert eng.runner.graphs, "decode ran without CUDA graphs"
+    assert any(cascade for _, _, cascade in eng.runner.graphs), "no window ran cascade attention"
+    assert eng.stats.num_grouped_rows > 0
     eng.release()
     for r, comps in zip(reqs, out):
         ids = list(r.prompt_ids)

@@ -62,6 +62,14 @@ def part_rollout(b: Bench) -> RolloutResult:
     peak = peak_gib(dev)
     kv_gib = engine.runner.kv_bytes / 2**30
     engine.release()
+    engine.reset_stats()
+    # side by side: cascade off (its graphs captured by an untimed rollout first), same prompts
+    engine.runner.cascade = False
+    engine.generate(_rollout_requests(b, prompts, seed=1))
+    engine.release()
+    _, plain_s = timed(lambda: engine.generate(_rollout_requests(b, prompts, seed=0)), dev)
+    engine.runner.cascade = True
+    engine.release()
     got = [len(c.token_ids) for cs in outs for c in cs]
     if got != list(w.response_lens):
         bad = next(i for i, (a, r) in enumerate(zip(got, w.response_lens)) if a != r)
@@ -72,9 +80,10 @@ def part_rollout(b: Bench) -> RolloutResult:
         tok_per_s=rate(forced, secs), first_seconds=first_s, decode_steps=stats.num_decode_steps,
         decode_steps_per_s=rate(stats.num_decode_steps, secs), mean_running_batch=stats.mean_batch,
         kv_utilization=stats.kv_utilization, num_preemptions=stats.num_preemptions, peak_gib=peak, kv_cache_gib=kv_gib,
+        cascade_row_fraction=stats.grouped_fraction, no_cascade_seconds=plain_s,
         note="32 requests x n=8 (prompt prefilled once), each sample forced to its own length (ignore_eos); "
              "seconds: a new session over kept graphs (every step after the first); first_seconds: the first "
-             "rollout, graph captures included")
+             "rollout, graph captures included; no_cascade_seconds: the same with cascade off, same run")
 
 
 def part_decode(b: Bench) -> DecodeResult:
@@ -153,6 +162,7 @@ def part_eval(b: Bench) -> EvalProbeResult:
     stats = engine.reset_stats()
     kv_gib = engine.runner.kv_bytes / 2**30
     engine.release()
+    engine.reset_stats()
     num = sum(len(c.token_ids) for cs in outs for c in cs)
     return EvalProbeResult(num_prompts=len(prompts), max_new_tokens=w.eval_max_new_tokens, num_generated_tokens=num,
                            seconds=secs, tok_per_s=rate(num, secs), decode_steps=stats.num_decode_steps,

@@ -92,6 +92,8 @@ class RolloutResult:
     num_preemptions: int
     peak_gib: float | None           # torch allocations (the KV cache is mapped outside them)
     kv_cache_gib: float              # KV cache mapped for the session (--rollout-kv-fraction of free memory)
+    cascade_row_fraction: float      # decode rows that read their prompt's KV once per group (cascade)
+    no_cascade_seconds: float        # the same later rollout with cascade off (--rollout-no-cascade), same run
     note: str
 
 

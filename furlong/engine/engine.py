@@ -47,6 +47,7 @@ class EngineConfig:
     decode_window: int = 16           # decode steps per host sync
     max_model_len: int = 4096         # prompt + response tokens of any request
     use_cuda_graphs: bool = True
+    cascade: bool = True              # a group's shared prompt KV read once per decode step (cascade.py)
     compile: bool | None = None       # torch.compile the layer blocks (None: on CUDA)
     cpu_kv_tokens: int = 1 << 16      # KV slots on CPU, where free memory is not measured
 
@@ -65,6 +66,7 @@ class EngineStats:
     num_prefill_tokens: int = 0
     num_decode_steps: int = 0
     num_decode_rows: int = 0          # sum over decode steps of running rows
+    num_grouped_rows: int = 0         # of those, rows that read their prompt's KV once per group (cascade)
     num_generated_tokens: int = 0     # kept tokens (after stops), all sequences
     num_preemptions: int = 0
     kv_used_sum: float = 0.0          # sum over decode windows of used/total pages
@@ -74,6 +76,10 @@ class EngineStats:
     @property
     def mean_batch(self) -> float:
         return self.num_decode_rows / max(self.num_decode_steps, 1)
+
+    @property
+    def grouped_fraction(self) -> float:
+        return self.num_grouped_rows / max(self.num_decode_rows, 1)
 
     @property
     def kv_utilization(self) -> float:
@@ -88,7 +94,8 @@ class Engine:
         self.cfg = config
         on_gpu = next(model.parameters()).is_cuda
         self.runner = ModelRunner(model, config.page_size, config.max_num_seqs, config.use_cuda_graphs,
-                                  compile=on_gpu if config.compile is None else config.compile)
+                                  compile=on_gpu if config.compile is None else config.compile,
+                                  cascade=config.cascade)
         self.scheduler: Scheduler | None = None
         self.stats = EngineStats()
         self._next_id = 0
@@ -197,6 +204,7 @@ class Engine:
         out = self.runner.decode(plan.decode, plan.window)
         self.stats.num_decode_steps += plan.window
         self.stats.num_decode_rows += plan.window * len(plan.decode)
+        self.stats.num_grouped_rows += plan.window * out.num_grouped_rows
         return self._absorb(plan.decode, out)
 
     def _absorb(self, seqs: list[Sequence], out: StepOutput) -> list[Completion]:

@@ -8,6 +8,9 @@ paged_decode_attention  one query token per row over its paged KV (flash-decodin
     with several, each split writes its partial output and log-sum-exp and a
     second kernel combines them. Splits exist for small batches, where rows x
     KV heads alone would leave most of the GPU's multiprocessors idle.
+    Cascade (cascade.py): extra programs, one per group of rows forked from one
+    prompt, read the prompt's KV once for all members' query heads; each row's
+    own programs start after the prompt, and the combine merges both.
 sample_tokens  one pass over a row's logits: the online log-sum-exp of the
     scaled logits (for the chosen token's log-prob) and the argmax of the
     exponential race with counter-based noise, exactly as sampling.py's
@@ -24,41 +27,65 @@ import torch
 import triton
 import triton.language as tl
 
+from furlong.engine.cascade import PrefixGroups
+
 
 @triton.jit
-def _decode_attn_kernel(Q, K, V, BT, CL, O, LSE, OUT,
-                        s_qb, s_qh, s_kp, s_kh, s_ks, s_bt, s_ob, s_oh, s_os, s_lb, s_lh, s_outb, s_outh,
-                        scale, num_splits,
-                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                        BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr):
-    b = tl.program_id(0)
+def _decode_attn_kernel(Q, K, V, BT, CL, PL, GR, GP, O, LSE, OUT,
+                        s_qb, s_qh, s_kp, s_kh, s_ks, s_bt, s_gr, s_ob, s_oh, s_os, s_lb, s_lh, s_outb, s_outh,
+                        scale, NUM_SPLITS: tl.constexpr,
+                        GROUP: tl.constexpr, QP: tl.constexpr, MEMBERS: tl.constexpr, D: tl.constexpr,
+                        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, CASCADE: tl.constexpr,
+                        PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
-    ctx = tl.load(CL + b)
-    num_tiles = tl.cdiv(ctx, BLOCK_N)
-    per_split = tl.cdiv(num_tiles, num_splits)
-    t0 = sp * per_split
-    t1 = tl.minimum(t0 + per_split, num_tiles)
-    g = tl.arange(0, GROUP_PAD)
+    i = tl.arange(0, QP)
     d = tl.arange(0, D)
     n = tl.arange(0, BLOCK_N)
-    heads = kvh * GROUP + g
-    hmask = g < GROUP
-    q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + d[None, :], mask=hmask[:, None], other=0.0)
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, D], tl.float32)
+    if CASCADE:
+        # splits [0, S): row pid's own tokens [PL[pid], CL[pid]); splits [S, 2S): group pid's shared
+        # prefix [0, GP[pid]) for all its members' query heads at once (QP = MEMBERS * GROUP slots)
+        is_group = sp >= NUM_SPLITS
+        member = tl.load(GR + pid * s_gr + i // GROUP, mask=is_group & (i // GROUP < MEMBERS), other=-1)
+        rows = tl.where(is_group, member, pid)
+        heads = kvh * GROUP + tl.where(is_group, i % GROUP, i)
+        hmask = tl.where(is_group, member >= 0, i < GROUP)
+        lo = tl.where(is_group, 0, tl.load(PL + pid))
+        hi = tl.where(is_group, tl.load(GP + pid), tl.load(CL + pid))
+        table_row = tl.where(is_group, tl.maximum(tl.load(GR + pid * s_gr), 0), pid)
+        slot = sp
+        part = sp % NUM_SPLITS
+    else:
+        rows = pid + 0 * i
+        heads = kvh * GROUP + i
+        hmask = i < GROUP
+        lo = 0
+        hi = tl.load(CL + pid)
+        table_row = pid
+        slot = sp
+        part = sp
+    rows = tl.maximum(rows, 0)
+    t_lo = lo // BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(hi, BLOCK_N) - t_lo, NUM_SPLITS)
+    t0 = t_lo + part * per_split
+    t1 = tl.minimum(t0 + per_split, tl.cdiv(hi, BLOCK_N))
+    q = tl.load(Q + rows[:, None] * s_qb + heads[:, None] * s_qh + d[None, :], mask=hmask[:, None], other=0.0)
+    m = tl.full([QP], float("-inf"), tl.float32)
+    l = tl.zeros([QP], tl.float32)
+    acc = tl.zeros([QP, D], tl.float32)
     for t in range(t0, t1):
         start = t * BLOCK_N
-        page = tl.load(BT + b * s_bt + start // PAGE).to(tl.int64)
+        page = tl.load(BT + table_row * s_bt + start // PAGE).to(tl.int64)
         off = page * s_kp + kvh * s_kh + (start % PAGE + n)[:, None] * s_ks + d[None, :]
-        valid = (start + n) < ctx
+        valid = ((start + n) < hi) & ((start + n) >= lo)
         k = tl.load(K + off, mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GROUP_PAD, BLOCK_N] fp32
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [QP, BLOCK_N] fp32
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)          # a tile wholly masked for the row
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
         l = l * alpha + tl.sum(p, 1)
         v = tl.load(V + off, mask=valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -67,20 +94,24 @@ def _decode_attn_kernel(Q, K, V, BT, CL, O, LSE, OUT,
     safe = tl.where(has, l, 1.0)
     out = acc / safe[:, None]
     if DIRECT:
-        tl.store(OUT + b * s_outb + heads[:, None] * s_outh + d[None, :], out.to(OUT.dtype.element_ty),
+        tl.store(OUT + rows[:, None] * s_outb + heads[:, None] * s_outh + d[None, :], out.to(OUT.dtype.element_ty),
                  mask=hmask[:, None])
     else:
-        tl.store(O + b * s_ob + heads[:, None] * s_oh + sp * s_os + d[None, :], out, mask=hmask[:, None])
-        tl.store(LSE + b * s_lb + heads * s_lh + sp, tl.where(has, m + tl.log(safe), float("-inf")), mask=hmask)
+        tl.store(O + rows[:, None] * s_ob + heads[:, None] * s_oh + slot * s_os + d[None, :], out,
+                 mask=hmask[:, None])
+        tl.store(LSE + rows * s_lb + heads * s_lh + slot, tl.where(has, m + tl.log(safe), float("-inf")), mask=hmask)
 
 
 @triton.jit
-def _combine_kernel(O, LSE, OUT, s_ob, s_oh, s_os, s_lb, s_lh, s_outb, s_outh, num_splits,
-                    D: tl.constexpr, S_PAD: tl.constexpr):
+def _combine_kernel(O, LSE, OUT, PL, s_ob, s_oh, s_os, s_lb, s_lh, s_outb, s_outh, num_splits,
+                    D: tl.constexpr, S_PAD: tl.constexpr, CASCADE: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, S_PAD)
     smask = s < num_splits
+    if CASCADE:
+        # slots [num_splits, 2 num_splits) hold the group's prefix parts, written only for rows in a group
+        smask = s < tl.where(tl.load(PL + b) > 0, 2 * num_splits, num_splits)
     lse = tl.load(LSE + b * s_lb + h * s_lh + s, mask=smask, other=float("-inf"))
     mx = tl.max(lse, 0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
@@ -94,33 +125,48 @@ def _combine_kernel(O, LSE, OUT, s_ob, s_oh, s_os, s_lb, s_lh, s_outb, s_outh, n
 
 
 def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, num_splits: int, block_n: int = 64) -> torch.Tensor:
+                           context_lens: torch.Tensor, num_splits: int, block_n: int = 64,
+                           prefix: PrefixGroups | None = None) -> torch.Tensor:
     """q [B, Hq, D]; keys/values [num_pages, Hkv, page, D]; block_tables [B, max_pages] int32;
-    context_lens [B] int32 -> [B, Hq, D] in q's dtype (zeros where context_lens is 0)."""
+    context_lens [B] int32 -> [B, Hq, D] in q's dtype (zeros where context_lens is 0).
+    prefix (cascade): rows that share their first tokens' KV read it once per group (see PrefixGroups)."""
     num_rows, num_heads, dim = q.shape
     _, num_kv, page, _ = keys.shape
     group = num_heads // num_kv
+    qp = max(16, triton.next_power_of_2(group))
     block_n = min(block_n, page)
     if page % block_n or dim & (dim - 1):
         raise ValueError(f"paged_decode_attention: page {page} must be a multiple of {block_n}, head_dim a power of 2")
     out = torch.empty_like(q)
-    direct = num_splits == 1
+    cascade = prefix is not None
+    direct = num_splits == 1 and not cascade
+    num_slots = 2 * num_splits if cascade else num_splits
     if direct:
         part, lse = out, out   # unused
     else:
-        part = torch.empty(num_rows, num_heads, num_splits, dim, dtype=torch.float32, device=q.device)
-        lse = torch.empty(num_rows, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    _decode_attn_kernel[(num_rows, num_kv, num_splits)](
-        q, keys, values, block_tables, context_lens, part, lse, out,
+        part = torch.empty(num_rows, num_heads, num_slots, dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(num_rows, num_heads, num_slots, dtype=torch.float32, device=q.device)
+    if cascade:
+        pl, gr, gp = prefix.prefix_lens, prefix.group_rows, prefix.group_prefix
+        members = gr.shape[1]
+        if members * group > qp or gr.shape[0] != num_rows or gp.shape[0] != num_rows:
+            raise ValueError(f"paged_decode_attention: group tables {tuple(gr.shape)} must be [{num_rows}, "
+                             f"<= {qp // group}]")
+    else:
+        pl = gr = gp = context_lens     # unused
+        members = 1
+    _decode_attn_kernel[(num_rows, num_kv, num_slots)](
+        q, keys, values, block_tables, context_lens, pl, gr, gp, part, lse, out,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), block_tables.stride(0),
-        part.stride(0), part.stride(1), part.stride(2) if not direct else 0, lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), 1.0 / math.sqrt(dim), num_splits,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page, BLOCK_N=block_n,
-        DIRECT=direct, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+        gr.stride(0), part.stride(0), part.stride(1), part.stride(2) if not direct else 0, lse.stride(0),
+        lse.stride(1), out.stride(0), out.stride(1), 1.0 / math.sqrt(dim), NUM_SPLITS=num_splits,
+        GROUP=group, QP=qp, MEMBERS=members, D=dim, PAGE=page, BLOCK_N=block_n, DIRECT=direct, CASCADE=cascade,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
     if not direct:
         _combine_kernel[(num_rows, num_heads)](
-            part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-            out.stride(0), out.stride(1), num_splits, D=dim, S_PAD=triton.next_power_of_2(num_splits))
+            part, lse, out, pl, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1), num_splits, D=dim, S_PAD=triton.next_power_of_2(num_slots),
+            CASCADE=cascade)
     return out
 
 

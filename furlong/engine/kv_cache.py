@@ -20,7 +20,9 @@ writes k, v into the cache and returns the attention output [N, Hq, D]:
                   attends over its first context_lens[b] cached tokens through
                   its block table: the Triton kernel on CUDA (kernels.py, GQA
                   without copying K/V, split over the KV length for small
-                  batches), an exact gather + SDPA reference elsewhere.
+                  batches), an exact gather + SDPA reference elsewhere. With
+                  `prefix` groups (cascade.py) a group's shared prompt is read
+                  once for all its rows.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from furlong.engine.cascade import PrefixGroups, cascade_attention_reference
 from furlong.models.attention import packed_attention
 
 
@@ -90,13 +93,17 @@ class DecodeContext:
     context_lens: torch.Tensor  # [B] int32, cached tokens incl. the new one (0: padded row, output 0)
     num_splits: int             # KV-length splits of the Triton kernel
     use_triton: bool
+    prefix: PrefixGroups | None = None   # cascade: rows forked from one prompt read its KV once (cascade.py)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.write(layer, self.page, self.offset, k, v)
         keys, values = self.cache.layer(layer)
         if self.use_triton:
             from furlong.engine.kernels import paged_decode_attention
-            return paged_decode_attention(q, keys, values, self.block_tables, self.context_lens, self.num_splits)
+            return paged_decode_attention(q, keys, values, self.block_tables, self.context_lens, self.num_splits,
+                                          prefix=self.prefix)
+        if self.prefix is not None:
+            return cascade_attention_reference(q, keys, values, self.block_tables, self.context_lens, self.prefix)
         return decode_attention_reference(q, keys, values, self.block_tables, self.context_lens)
 
 

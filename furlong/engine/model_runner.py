@@ -13,7 +13,9 @@ kinds of forward the scheduler plans:
            `window` times and reads the window's tokens back with ONE sync.
            Graphs are captured per batch-size bucket (rows padded up to the
            bucket; padded rows use the scratch page 0) and per sampler variant
-           (plain / top-k-top-p), lazily on first use, sharing one memory pool.
+           (plain / top-k-top-p) and attention variant (plain / cascade: rows
+           forked from one prompt read its KV once, cascade.py; used when the
+           window has such a group), lazily on first use, sharing one memory pool.
 On CPU the same step function runs eagerly with the reference attention and
 sampler, so CPU tests exercise the scheduling, paging and on-device state
 updates that the GPU runs.
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from furlong.engine.cascade import PrefixGroups, cascade_members, plan_groups
 from furlong.engine.forward import EngineForward
 from furlong.engine.kv_cache import DecodeContext, PagedKVCache, PrefillContext
 from furlong.engine.sampling import SamplingRows, row_thresholds, sample_reference
@@ -52,6 +55,7 @@ FLOAT_ROWS = ("inv_temperature", "top_p")                          # rows of the
 class StepOutput:
     tokens: list[list[int]]          # [B][window] sampled tokens
     log_probs: list[list[float]]     # [B][window]
+    num_grouped_rows: int = 0        # rows that read their prompt's KV through a cascade group
 
 
 def sampling_rows_host(seqs: list[Sequence], vocab_size: int) -> tuple[list[list[int]], list[list[float]]]:
@@ -69,7 +73,7 @@ def sampling_rows_host(seqs: list[Sequence], vocab_size: int) -> tuple[list[list
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, page_size: int, max_num_seqs: int, use_cuda_graphs: bool,
-                 compile: bool):
+                 compile: bool, cascade: bool = True):
         self.model = model
         self.forward = EngineForward(model, compile=compile)
         self.args = model.args
@@ -80,13 +84,16 @@ class ModelRunner:
         self.use_cuda_graphs = use_cuda_graphs and self.on_gpu
         self.buckets = [b for b in BATCH_BUCKETS if b < max_num_seqs] + [max_num_seqs]
         self.cache: PagedKVCache | None = None
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}   # (rows, truncate, cascade)
+        self.cascade = cascade                # may be switched between decode windows (graphs exist for both)
+        self.members = cascade_members(self.args.num_heads, self.args.num_kv_heads)   # rows per cascade group
         self.pool = None
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.on_gpu else 1
         self.stable: tuple | None = None      # (keys, values) StableBuffers, reserved on first use
         self.ints = None                      # decode buffers, made on first use (see allocate)
         self.kv_bytes = 0                     # KV cache of the current session
         self._stage_key = None                # running set whose inputs the buffers hold (_stage)
+        self._plan: tuple = (None, [], [], [])  # (running-set key, prefix_lens, group rows, group prefixes)
 
     # ---- session -------------------------------------------------------------------------------
     def page_shape(self) -> tuple[int, ...]:
@@ -130,6 +137,10 @@ class ModelRunner:
             self.ints = torch.zeros(len(INT_ROWS), rows, dtype=torch.int64, device=dev)       # see INT_ROWS
             self.floats = torch.ones(len(FLOAT_ROWS), rows, dtype=torch.float32, device=dev)  # see FLOAT_ROWS
             self.block_tables = torch.zeros(rows, max_pages_per_seq, dtype=torch.int32, device=dev)
+            # cascade groups (cascade.PrefixGroups), one slot per row: at most rows / 2 are used
+            self.prefix_lens = torch.zeros(rows, dtype=torch.int32, device=dev)
+            self.group_rows = torch.full((rows, self.members), -1, dtype=torch.int32, device=dev)
+            self.group_prefix = torch.zeros(rows, dtype=torch.int32, device=dev)
             self.no_threshold = torch.full((rows,), float("-inf"), device=dev)
             self.out_tokens = torch.zeros(rows, dtype=torch.int64, device=dev)
             self.out_log_probs = torch.zeros(rows, dtype=torch.float32, device=dev)
@@ -205,13 +216,15 @@ class ModelRunner:
         want = -(-4 * self.num_sms // (rows * self.args.num_kv_heads))
         return max(1, min(16, 1 << (want - 1).bit_length()))
 
-    def _step(self, rows: int, truncate: bool) -> None:
+    def _step(self, rows: int, truncate: bool, cascade: bool) -> None:
         """One decode step over the first `rows` buffer rows, state advanced in place (graph-safe)."""
         ids, pos = self.ints[0, :rows], self.ints[1, :rows]
         tables = self.block_tables[:rows]
         page = tables.gather(1, (pos // self.page_size)[:, None]).squeeze(1).long()
+        prefix = PrefixGroups(self.prefix_lens[:rows], self.group_rows[:rows], self.group_prefix[:rows]) \
+            if cascade else None
         ctx = DecodeContext(self.cache, page, pos % self.page_size, tables, (pos + 1).to(torch.int32),
-                            self.num_splits(rows), self.on_gpu)
+                            self.num_splits(rows), self.on_gpu, prefix)
         logits = self.forward.logits(self.forward.hidden(ids, pos, ctx.attend))
         rows_in = self._rows(self.ints[2:, :rows], self.floats[:, :rows], pos + 1)
         tok, lp = self.sample(logits, rows_in, truncate)
@@ -220,24 +233,27 @@ class ModelRunner:
         ids.copy_(tok)
         pos.add_(1)
 
-    def _capture(self, rows: int, truncate: bool) -> None:
+    def _capture(self, rows: int, truncate: bool, cascade: bool) -> None:
         self.ints[:, :rows].zero_()            # padded-row state: position 0, scratch page 0
         self.block_tables[:rows].zero_()
-        self._step(rows, truncate)             # warm-up: compiles the Triton kernels
+        self.prefix_lens[:rows].zero_()        # no groups
+        self.group_rows[:rows].fill_(-1)
+        self.group_prefix[:rows].zero_()
+        self._step(rows, truncate, cascade)    # warm-up: compiles the Triton kernels
         torch.cuda.synchronize(self.device)
         self.ints[:, :rows].zero_()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self._step(rows, truncate)
+            self._step(rows, truncate, cascade)
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[(rows, truncate)] = graph
+        self.graphs[(rows, truncate, cascade)] = graph
 
     def _stage(self, seqs: list[Sequence], rows: int) -> None:
         """Write the window's inputs into the decode buffers. Host staging arrays are reused: the
         per-sequence sampling rows are rebuilt only when the running set changed, and block-table
         rows only where a table grew; ids and positions are rewritten every window."""
-        key = (rows, tuple(id(s) for s in seqs))
+        key = (rows, tuple(id(s) for s in seqs), self.cascade)
         width = self.block_tables.shape[1]
         if key != self._stage_key:
             self._stage_key = key
@@ -249,6 +265,17 @@ class ModelRunner:
             self._host_ints[2:, :len(seqs)] = ints
             self._host_floats[:, :len(seqs)] = floats
             self.floats[:, :rows].copy_(torch.from_numpy(self._host_floats))
+            prefix_lens, groups, prefixes = self._groups(seqs, rows)
+            host_groups = np.full((rows, self.members), -1, dtype=np.int32)
+            for g, members in enumerate(groups):
+                host_groups[g, :len(members)] = members
+            host_prefix = np.zeros(rows, dtype=np.int32)
+            host_prefix[:len(prefixes)] = prefixes
+            host_lens = np.zeros(rows, dtype=np.int32)
+            host_lens[:len(seqs)] = prefix_lens
+            self.prefix_lens[:rows].copy_(torch.from_numpy(host_lens))
+            self.group_rows[:rows].copy_(torch.from_numpy(host_groups))
+            self.group_prefix[:rows].copy_(torch.from_numpy(host_prefix))
         for i, s in enumerate(seqs):
             n = len(s.block_table)
             if n != self._table_lens[i]:
@@ -259,22 +286,32 @@ class ModelRunner:
         self.ints[:, :rows].copy_(torch.from_numpy(self._host_ints))
         self.block_tables[:rows].copy_(torch.from_numpy(self._host_tables))
 
+    def _groups(self, seqs: list[Sequence], rows: int) -> tuple[list[int], list[list[int]], list[int]]:
+        """plan_groups of this running set, computed once per running set."""
+        key = (rows, tuple(id(s) for s in seqs), self.cascade)
+        if self._plan[0] != key:
+            self._plan = (key, *plan_groups(seqs, self.members if self.cascade else 1))
+        return self._plan[1:]
+
     def decode(self, seqs: list[Sequence], window: int) -> StepOutput:
         num = len(seqs)
         rows = self.buckets[bisect.bisect_left(self.buckets, num)] if self.use_cuda_graphs else num
         truncate = any(s.params.truncates for s in seqs)
-        if self.use_cuda_graphs and (rows, truncate) not in self.graphs:
-            self._capture(rows, truncate)
+        prefix_lens, groups, _ = self._groups(seqs, rows)
+        cascade = bool(groups)
+        if self.use_cuda_graphs and (rows, truncate, cascade) not in self.graphs:
+            self._capture(rows, truncate, cascade)
             self._stage_key = None       # capture overwrote the buffers
         self._stage(seqs, rows)
         toks = torch.empty(window, rows, dtype=torch.int64, device=self.device)
         lps = torch.empty(window, rows, dtype=torch.float32, device=self.device)
         for i in range(window):
             if self.use_cuda_graphs:
-                self.graphs[(rows, truncate)].replay()
+                self.graphs[(rows, truncate, cascade)].replay()
             else:
-                self._step(rows, truncate)
+                self._step(rows, truncate, cascade)
             toks[i].copy_(self.out_tokens[:rows])
             lps[i].copy_(self.out_log_probs[:rows])
         # The window's one host sync: the scheduler needs the tokens to find finished rows.
-        return StepOutput(toks[:, :num].T.tolist(), lps[:, :num].T.tolist())
+        return StepOutput(toks[:, :num].T.tolist(), lps[:, :num].T.tolist(),
+                          sum(1 for p in prefix_lens if p > 0))

@@ -1,0 +1,100 @@
+"""Shared-prefix ("cascade") decode attention: a group's prompt KV read once for all its samples.
+
+The n samples of a request are forked from one prefilled prompt (block_manager.fork): the K/V of
+their first P tokens are the same (full pages shared, the last partial page copied). Without
+cascade, every decode row reads its whole context, the prompt n times per group. With it, the
+decode kernel (kernels.py) runs two kinds of program over one launch:
+  row program    row b reads only its own tokens [P_b, context_b), split over the KV length;
+  group program  group g reads [0, P_g) once, through its first member's block table, for ALL its
+                 members' query heads at once (MEMBERS rows x the GQA group fill one 16-row tile of
+                 the same shape a row program uses);
+and the parts are merged by their log-sum-exp, as flash-decoding merges its splits (the combine
+kernel, which a non-cascade step at large batch skips). The arithmetic is that of one softmax over
+the row's whole context, regrouped; outputs differ from the single-pass kernel by rounding only.
+For the seed workload (prompts ~96 tokens, 8 samples, responses up to 1024) the prompt is 25% of
+the KV a rollout's decode reads; cascade reads an eighth of that part. vLLM and FlashInfer call the
+same idea cascade attention; unlike them, groups here come from the fork, not from a prefix hash.
+
+Who is grouped (`plan_groups`, plain Python): running rows of one request that were forked from its
+prefill and never preempted (a preempted sample is re-prefilled whole into its own pages, so its
+prompt K/V are computed again and may differ in the last bits), at most `members` rows per group (a
+larger set is cut into several groups); a group needs two rows. On the CPU the engine runs
+`cascade_attention_reference` (exact, each row's prompt read through its group's first member's
+pages), so the CPU tests check the grouping against the no-cache reference.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from furlong.engine.sequence import Sequence
+
+
+@dataclass
+class PrefixGroups:
+    prefix_lens: torch.Tensor    # [B] int32, tokens at a row's start that its group reads (0: not grouped)
+    group_rows: torch.Tensor     # [G, M] int32, each group's member rows, -1 padded (all -1: unused slot)
+    group_prefix: torch.Tensor   # [G] int32, each group's shared prompt tokens (0: unused slot)
+
+
+def cascade_members(num_heads: int, num_kv_heads: int) -> int:
+    """Rows one group program serves: as many as fill its query tile (16 rows, or the next power of
+    two above the GQA group); 1 means cascade cannot share anything."""
+    group = num_heads // num_kv_heads
+    tile = max(16, 1 << (group - 1).bit_length())
+    return tile // group
+
+
+def plan_groups(seqs: list[Sequence], members: int) -> tuple[list[int], list[list[int]], list[int]]:
+    """(prefix_lens [B], group rows [G][<= members], group prefixes [G]) for the decode rows `seqs`."""
+    by_request: dict[int, list[int]] = {}
+    for row, s in enumerate(seqs):
+        if s.num_preemptions == 0:
+            by_request.setdefault(id(s.request), []).append(row)
+    prefix_lens = [0] * len(seqs)
+    groups, prefixes = [], []
+    if members < 2:
+        return prefix_lens, groups, prefixes
+    for rows in by_request.values():
+        for i in range(0, len(rows), members):
+            part = rows[i:i + members]
+            if len(part) < 2:
+                continue
+            p = seqs[part[0]].num_prompt_tokens
+            for r in part:
+                prefix_lens[r] = p
+            groups.append(part)
+            prefixes.append(p)
+    return prefix_lens, groups, prefixes
+
+
+def cascade_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                                block_tables: torch.Tensor, context_lens: torch.Tensor,
+                                groups: PrefixGroups) -> torch.Tensor:
+    """Exact decode attention where row b reads positions < prefix_lens[b] through its group's first
+    member's block table and the rest through its own. q [B, Hq, D]; keys/values [P, Hkv, page, D]
+    -> [B, Hq, D] (zeros where context_lens is 0). One host sync: CPU and tests only."""
+    num_rows, page = q.shape[0], keys.shape[2]
+    longest = int(context_lens.max()) if num_rows else 0
+    if longest == 0:
+        return torch.zeros_like(q)
+    first = torch.arange(num_rows, device=q.device)                          # [B] table row of the prefix
+    for g, p in zip(groups.group_rows.tolist(), groups.group_prefix.tolist()):
+        members = [r for r in g if r >= 0]
+        if p > 0 and members:
+            first[members] = members[0]
+    pos = torch.arange(longest, device=q.device)                             # [L]
+    own = pos[None, :] >= groups.prefix_lens[:, None].long()                 # [B, L]
+    table_row = torch.where(own, torch.arange(num_rows, device=q.device)[:, None], first[:, None])
+    pages = block_tables.long()[table_row, pos[None, :] // page]             # [B, L]
+    offs = (pos % page)[None, :].expand(num_rows, -1)
+    k = keys[pages, :, offs].permute(0, 2, 1, 3)                             # [B, Hkv, L, D]
+    v = values[pages, :, offs].permute(0, 2, 1, 3)
+    visible = pos[None, :] < context_lens[:, None].long()
+    empty = context_lens == 0
+    visible[:, 0] |= empty                    # keep all-masked rows finite; zeroed below
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=visible[:, None, None, :],
+                                         enable_gqa=q.shape[1] != k.shape[1])[:, :, 0]
+    return out.masked_fill(empty[:, None, None], 0.0)
