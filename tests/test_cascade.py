@@ -37,6 +37,10 @@ def test_plan_groups_takes_unpreempted_forks_of_one_request_up_to_members():
     assert prefix_lens == [3, 2, 3, 0, 0, 3, 3, 2, 3]
     assert plan_groups(seqs, members=1) == ([0] * 9, [], [])      # cascade off
     assert plan_groups(seqs, members=2)[1] == [[0, 2], [5, 6], [1, 7]]   # a[4] would be alone
+    lens, groups, _ = plan_groups(seqs, members=3, min_prefix=3)          # request 1's prompt is too short
+    assert groups == [[0, 2, 5], [6, 8]] and lens == [3, 0, 3, 0, 0, 3, 3, 0, 3]
+    lens, groups, _ = plan_groups(seqs, members=3, max_groups=2)          # the grid holds two: largest first
+    assert groups == [[0, 2, 5], [6, 8]] and lens[1] == lens[7] == 0
 
 
 def _forked_cache(prompt_len: int, own_lens: list[int], page: int = 4, hkv: int = 2, d: int = 8, seed: int = 0):
@@ -107,7 +111,8 @@ def test_engine_with_cascade_samples_what_it_samples_without(model, kv_tokens):
 
     def run(cascade: bool):
         eng = Engine(model, _Tok(), [], EngineConfig(page_size=8, decode_window=3, max_num_seqs=10,
-                                                     cpu_kv_tokens=kv_tokens, max_model_len=64, cascade=cascade))
+                                                     cpu_kv_tokens=kv_tokens, max_model_len=64, cascade=cascade,
+                                                     cascade_min_prefix=1))
         out = eng.generate([Request(i, p, params, n=1 + i % 4, seed=i) for i, p in enumerate(prompts)])
         return [[(c.token_ids, c.log_probs) for c in cs] for cs in out], eng.stats
 

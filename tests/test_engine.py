@@ -32,7 +32,9 @@ def prompts(ckpt):
 
 def engine(ckpt, eos=(EOS,), **kw):
     model, tok = ckpt
-    cfg = dict(page_size=8, decode_window=4, max_num_seqs=6, cpu_kv_tokens=1024, max_model_len=128)
+    # cascade_min_prefix 1: these short prompts still form cascade groups (tested against no-cache loops)
+    cfg = dict(page_size=8, decode_window=4, max_num_seqs=6, cpu_kv_tokens=1024, max_model_len=128,
+               cascade_min_prefix=1)
     cfg.update(kw)
     return Engine(model, tok, list(eos), EngineConfig(**cfg))
 

@@ -42,8 +42,8 @@ def test_paged_decode_attention_matches_reference(dtype, num_splits):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("num_splits", [1, 3, 8])
-def test_cascade_decode_attention_matches_reference(dtype, num_splits):
+@pytest.mark.parametrize("num_splits,group_splits", [(1, 1), (3, 4), (8, 2), (1, 6)])
+def test_cascade_decode_attention_matches_reference(dtype, num_splits, group_splits):
     """Rows in groups read positions < their group's prefix through the first member's pages, the
     rest through their own; rows outside groups (and a padded row) read everything themselves."""
     from furlong.engine.cascade import PrefixGroups, cascade_attention_reference, cascade_members
@@ -63,7 +63,7 @@ def test_cascade_decode_attention_matches_reference(dtype, num_splits):
     prefix_lens = torch.tensor([0, 70, 70, 70, 70, 70, 70, 70, 70, 130, 0, 130, 0], dtype=torch.int32, device="cuda")
     groups = PrefixGroups(prefix_lens, group_rows, group_prefix)
     q = torch.randn(rows, hq, d, device="cuda", generator=g).to(dtype)
-    out = paged_decode_attention(q, keys, values, tables, lens, num_splits, prefix=groups)
+    out = paged_decode_attention(q, keys, values, tables, lens, num_splits, prefix=groups, group_splits=group_splits)
     ref = cascade_attention_reference(q.double(), keys.double(), values.double(), tables, lens, groups)
     assert torch.isfinite(out).all() and out[0].abs().max() == 0
     assert rel_err(out, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
@@ -137,7 +137,8 @@ def test_engine_greedy_equals_no_cache_loop_with_graphs():
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in (5, 70, 33, 128, 1, 64, 90)]
     news = [40, 9, 70, 3, 66, 17, 129]
-    eng = Engine(model, NullTok(), [], EngineConfig(max_model_len=400, max_num_seqs=8, decode_window=8))
+    eng = Engine(model, NullTok(), [], EngineConfig(max_model_len=400, max_num_seqs=8, decode_window=8,
+                                                    cascade_min_prefix=1))
     reqs = [Request(i, p, SamplingParams(temperature=0, max_new_tokens=k, ignore_eos=True), n=1 + i % 3)
             for i, (p, k) in enumerate(zip(prompts, news))]
     out = eng.generate(reqs)

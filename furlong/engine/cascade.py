@@ -18,7 +18,8 @@ same idea cascade attention; unlike them, groups here come from the fork, not fr
 Who is grouped (`plan_groups`, plain Python): running rows of one request that were forked from its
 prefill and never preempted (a preempted sample is re-prefilled whole into its own pages, so its
 prompt K/V are computed again and may differ in the last bits), at most `members` rows per group (a
-larger set is cut into several groups); a group needs two rows. On the CPU the engine runs
+larger set is cut into several groups); a group needs two rows, a prompt of at least `min_prefix`
+tokens, and a free group slot (the kernel's grid holds B // group_splits groups). On the CPU the engine runs
 `cascade_attention_reference` (exact, each row's prompt read through its group's first member's
 pages), so the CPU tests check the grouping against the no-cache reference.
 """
@@ -47,26 +48,28 @@ def cascade_members(num_heads: int, num_kv_heads: int) -> int:
     return tile // group
 
 
-def plan_groups(seqs: list[Sequence], members: int) -> tuple[list[int], list[list[int]], list[int]]:
-    """(prefix_lens [B], group rows [G][<= members], group prefixes [G]) for the decode rows `seqs`."""
+def plan_groups(seqs: list[Sequence], members: int, min_prefix: int = 1, max_groups: int | None = None
+                ) -> tuple[list[int], list[list[int]], list[int]]:
+    """(prefix_lens [B], group rows [G][<= members], group prefixes [G]) for the decode rows `seqs`:
+    groups of 2..members rows whose shared prompt has at least `min_prefix` tokens, at most
+    `max_groups` of them (the largest first); rows left out read their whole context themselves."""
     by_request: dict[int, list[int]] = {}
     for row, s in enumerate(seqs):
-        if s.num_preemptions == 0:
+        if s.num_preemptions == 0 and s.num_prompt_tokens >= min_prefix:
             by_request.setdefault(id(s.request), []).append(row)
+    groups: list[list[int]] = []
+    if members >= 2:
+        for rows in by_request.values():
+            groups += [rows[i:i + members] for i in range(0, len(rows), members) if len(rows[i:i + members]) > 1]
+    if max_groups is not None and len(groups) > max_groups:
+        groups = sorted(groups, key=len, reverse=True)[:max_groups]
     prefix_lens = [0] * len(seqs)
-    groups, prefixes = [], []
-    if members < 2:
-        return prefix_lens, groups, prefixes
-    for rows in by_request.values():
-        for i in range(0, len(rows), members):
-            part = rows[i:i + members]
-            if len(part) < 2:
-                continue
-            p = seqs[part[0]].num_prompt_tokens
-            for r in part:
-                prefix_lens[r] = p
-            groups.append(part)
-            prefixes.append(p)
+    prefixes = []
+    for part in groups:
+        p = seqs[part[0]].num_prompt_tokens
+        for r in part:
+            prefix_lens[r] = p
+        prefixes.append(p)
     return prefix_lens, groups, prefixes
 
 

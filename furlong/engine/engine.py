@@ -48,6 +48,7 @@ class EngineConfig:
     max_model_len: int = 4096         # prompt + response tokens of any request
     use_cuda_graphs: bool = True
     cascade: bool = True              # a group's shared prompt KV read once per decode step (cascade.py)
+    cascade_min_prefix: int = 256     # tokens: shorter shared prompts are read by each row (L2 already dedups them)
     compile: bool | None = None       # torch.compile the layer blocks (None: on CUDA)
     cpu_kv_tokens: int = 1 << 16      # KV slots on CPU, where free memory is not measured
 
@@ -95,7 +96,7 @@ class Engine:
         on_gpu = next(model.parameters()).is_cuda
         self.runner = ModelRunner(model, config.page_size, config.max_num_seqs, config.use_cuda_graphs,
                                   compile=on_gpu if config.compile is None else config.compile,
-                                  cascade=config.cascade)
+                                  cascade=config.cascade, cascade_min_prefix=config.cascade_min_prefix)
         self.scheduler: Scheduler | None = None
         self.stats = EngineStats()
         self._next_id = 0

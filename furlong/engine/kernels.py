@@ -33,7 +33,7 @@ from furlong.engine.cascade import PrefixGroups
 @triton.jit
 def _decode_attn_kernel(Q, K, V, BT, CL, PL, GR, GP, O, LSE, OUT,
                         s_qb, s_qh, s_kp, s_kh, s_ks, s_bt, s_gr, s_ob, s_oh, s_os, s_lb, s_lh, s_outb, s_outh,
-                        scale, NUM_SPLITS: tl.constexpr,
+                        scale, NUM_SPLITS: tl.constexpr, GROUP_SPLITS: tl.constexpr,
                         GROUP: tl.constexpr, QP: tl.constexpr, MEMBERS: tl.constexpr, D: tl.constexpr,
                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, CASCADE: tl.constexpr,
                         PRECISION: tl.constexpr):
@@ -44,18 +44,21 @@ def _decode_attn_kernel(Q, K, V, BT, CL, PL, GR, GP, O, LSE, OUT,
     d = tl.arange(0, D)
     n = tl.arange(0, BLOCK_N)
     if CASCADE:
-        # splits [0, S): row pid's own tokens [PL[pid], CL[pid]); splits [S, 2S): group pid's shared
-        # prefix [0, GP[pid]) for all its members' query heads at once (QP = MEMBERS * GROUP slots)
+        # sp < S: split sp of row pid's own tokens [PL[pid], CL[pid]) -> slot sp. sp == S: split
+        # pid % GS of group pid // GS's shared prefix [0, GP[g]), for all its members' query heads at
+        # once (QP = MEMBERS * GROUP slots) -> slot S + pid % GS of each member row
         is_group = sp >= NUM_SPLITS
-        member = tl.load(GR + pid * s_gr + i // GROUP, mask=is_group & (i // GROUP < MEMBERS), other=-1)
+        g = pid // GROUP_SPLITS
+        member = tl.load(GR + g * s_gr + i // GROUP, mask=is_group & (i // GROUP < MEMBERS), other=-1)
         rows = tl.where(is_group, member, pid)
         heads = kvh * GROUP + tl.where(is_group, i % GROUP, i)
         hmask = tl.where(is_group, member >= 0, i < GROUP)
         lo = tl.where(is_group, 0, tl.load(PL + pid))
-        hi = tl.where(is_group, tl.load(GP + pid), tl.load(CL + pid))
-        table_row = tl.where(is_group, tl.maximum(tl.load(GR + pid * s_gr), 0), pid)
-        slot = sp
-        part = sp % NUM_SPLITS
+        hi = tl.where(is_group, tl.load(GP + g), tl.load(CL + pid))
+        table_row = tl.where(is_group, tl.maximum(tl.load(GR + g * s_gr), 0), pid)
+        part = tl.where(is_group, pid % GROUP_SPLITS, sp)
+        num_parts = tl.where(is_group, GROUP_SPLITS, NUM_SPLITS)
+        slot = tl.where(is_group, NUM_SPLITS + part, sp)
     else:
         rows = pid + 0 * i
         heads = kvh * GROUP + i
@@ -65,9 +68,10 @@ def _decode_attn_kernel(Q, K, V, BT, CL, PL, GR, GP, O, LSE, OUT,
         table_row = pid
         slot = sp
         part = sp
+        num_parts = NUM_SPLITS
     rows = tl.maximum(rows, 0)
     t_lo = lo // BLOCK_N
-    per_split = tl.cdiv(tl.cdiv(hi, BLOCK_N) - t_lo, NUM_SPLITS)
+    per_split = tl.cdiv(tl.cdiv(hi, BLOCK_N) - t_lo, num_parts)
     t0 = t_lo + part * per_split
     t1 = tl.minimum(t0 + per_split, tl.cdiv(hi, BLOCK_N))
     q = tl.load(Q + rows[:, None] * s_qb + heads[:, None] * s_qh + d[None, :], mask=hmask[:, None], other=0.0)
@@ -103,15 +107,15 @@ def _decode_attn_kernel(Q, K, V, BT, CL, PL, GR, GP, O, LSE, OUT,
 
 
 @triton.jit
-def _combine_kernel(O, LSE, OUT, PL, s_ob, s_oh, s_os, s_lb, s_lh, s_outb, s_outh, num_splits,
+def _combine_kernel(O, LSE, OUT, PL, s_ob, s_oh, s_os, s_lb, s_lh, s_outb, s_outh, num_splits, num_group_splits,
                     D: tl.constexpr, S_PAD: tl.constexpr, CASCADE: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, S_PAD)
     smask = s < num_splits
     if CASCADE:
-        # slots [num_splits, 2 num_splits) hold the group's prefix parts, written only for rows in a group
-        smask = s < tl.where(tl.load(PL + b) > 0, 2 * num_splits, num_splits)
+        # the group's prefix parts follow the row's own, written only for rows in a group
+        smask = s < tl.where(tl.load(PL + b) > 0, num_splits + num_group_splits, num_splits)
     lse = tl.load(LSE + b * s_lb + h * s_lh + s, mask=smask, other=float("-inf"))
     mx = tl.max(lse, 0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
@@ -126,10 +130,11 @@ def _combine_kernel(O, LSE, OUT, PL, s_ob, s_oh, s_os, s_lb, s_lh, s_outb, s_out
 
 def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, num_splits: int, block_n: int = 64,
-                           prefix: PrefixGroups | None = None) -> torch.Tensor:
+                           prefix: PrefixGroups | None = None, group_splits: int = 1) -> torch.Tensor:
     """q [B, Hq, D]; keys/values [num_pages, Hkv, page, D]; block_tables [B, max_pages] int32;
     context_lens [B] int32 -> [B, Hq, D] in q's dtype (zeros where context_lens is 0).
-    prefix (cascade): rows that share their first tokens' KV read it once per group (see PrefixGroups)."""
+    prefix (cascade): rows that share their first tokens' KV read it once per group (see PrefixGroups),
+    each group's prefix split `group_splits` ways; the first B // group_splits groups are read."""
     num_rows, num_heads, dim = q.shape
     _, num_kv, page, _ = keys.shape
     group = num_heads // num_kv
@@ -140,7 +145,7 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     out = torch.empty_like(q)
     cascade = prefix is not None
     direct = num_splits == 1 and not cascade
-    num_slots = 2 * num_splits if cascade else num_splits
+    num_slots = num_splits + group_splits if cascade else num_splits
     if direct:
         part, lse = out, out   # unused
     else:
@@ -155,17 +160,19 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     else:
         pl = gr = gp = context_lens     # unused
         members = 1
-    _decode_attn_kernel[(num_rows, num_kv, num_slots)](
+    _decode_attn_kernel[(num_rows, num_kv, num_splits + 1 if cascade else num_splits)](
         q, keys, values, block_tables, context_lens, pl, gr, gp, part, lse, out,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), block_tables.stride(0),
         gr.stride(0), part.stride(0), part.stride(1), part.stride(2) if not direct else 0, lse.stride(0),
         lse.stride(1), out.stride(0), out.stride(1), 1.0 / math.sqrt(dim), NUM_SPLITS=num_splits,
-        GROUP=group, QP=qp, MEMBERS=members, D=dim, PAGE=page, BLOCK_N=block_n, DIRECT=direct, CASCADE=cascade,
+        GROUP_SPLITS=group_splits, GROUP=group, QP=qp, MEMBERS=members, D=dim, PAGE=page, BLOCK_N=block_n,
+        DIRECT=direct, CASCADE=cascade,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
     if not direct:
         _combine_kernel[(num_rows, num_heads)](
             part, lse, out, pl, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-            out.stride(0), out.stride(1), num_splits, D=dim, S_PAD=triton.next_power_of_2(num_slots),
+            out.stride(0), out.stride(1), num_splits, group_splits, D=dim,
+            S_PAD=triton.next_power_of_2(num_slots),
             CASCADE=cascade)
     return out
 

@@ -94,6 +94,7 @@ class DecodeContext:
     num_splits: int             # KV-length splits of the Triton kernel
     use_triton: bool
     prefix: PrefixGroups | None = None   # cascade: rows forked from one prompt read its KV once (cascade.py)
+    group_splits: int = 1                # cascade: KV-length splits of each group's prefix
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.write(layer, self.page, self.offset, k, v)
@@ -101,7 +102,7 @@ class DecodeContext:
         if self.use_triton:
             from furlong.engine.kernels import paged_decode_attention
             return paged_decode_attention(q, keys, values, self.block_tables, self.context_lens, self.num_splits,
-                                          prefix=self.prefix)
+                                          prefix=self.prefix, group_splits=self.group_splits)
         if self.prefix is not None:
             return cascade_attention_reference(q, keys, values, self.block_tables, self.context_lens, self.prefix)
         return decode_attention_reference(q, keys, values, self.block_tables, self.context_lens)

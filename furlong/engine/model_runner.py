@@ -73,7 +73,7 @@ def sampling_rows_host(seqs: list[Sequence], vocab_size: int) -> tuple[list[list
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, page_size: int, max_num_seqs: int, use_cuda_graphs: bool,
-                 compile: bool, cascade: bool = True):
+                 compile: bool, cascade: bool = True, cascade_min_prefix: int = 1):
         self.model = model
         self.forward = EngineForward(model, compile=compile)
         self.args = model.args
@@ -87,6 +87,7 @@ class ModelRunner:
         self.graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}   # (rows, truncate, cascade)
         self.cascade = cascade                # may be switched between decode windows (graphs exist for both)
         self.members = cascade_members(self.args.num_heads, self.args.num_kv_heads)   # rows per cascade group
+        self.cascade_min_prefix = cascade_min_prefix   # shortest shared prompt worth a group (tokens)
         self.pool = None
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.on_gpu else 1
         self.stable: tuple | None = None      # (keys, values) StableBuffers, reserved on first use
@@ -216,6 +217,14 @@ class ModelRunner:
         want = -(-4 * self.num_sms // (rows * self.args.num_kv_heads))
         return max(1, min(16, 1 << (want - 1).bit_length()))
 
+    def group_splits(self, rows: int) -> int:
+        """KV-length splits of a cascade group's prefix: ~4 programs per multiprocessor when the rows
+        form full groups, at most `members` (the grid holds rows // group_splits groups)."""
+        if not self.on_gpu:
+            return 1
+        want = -(-4 * self.num_sms // (max(1, rows // self.members) * self.args.num_kv_heads))
+        return max(1, min(self.members, 1 << (want - 1).bit_length()))
+
     def _step(self, rows: int, truncate: bool, cascade: bool) -> None:
         """One decode step over the first `rows` buffer rows, state advanced in place (graph-safe)."""
         ids, pos = self.ints[0, :rows], self.ints[1, :rows]
@@ -224,7 +233,7 @@ class ModelRunner:
         prefix = PrefixGroups(self.prefix_lens[:rows], self.group_rows[:rows], self.group_prefix[:rows]) \
             if cascade else None
         ctx = DecodeContext(self.cache, page, pos % self.page_size, tables, (pos + 1).to(torch.int32),
-                            self.num_splits(rows), self.on_gpu, prefix)
+                            self.num_splits(rows), self.on_gpu, prefix, self.group_splits(rows))
         logits = self.forward.logits(self.forward.hidden(ids, pos, ctx.attend))
         rows_in = self._rows(self.ints[2:, :rows], self.floats[:, :rows], pos + 1)
         tok, lp = self.sample(logits, rows_in, truncate)
@@ -290,7 +299,8 @@ class ModelRunner:
         """plan_groups of this running set, computed once per running set."""
         key = (rows, tuple(id(s) for s in seqs), self.cascade)
         if self._plan[0] != key:
-            self._plan = (key, *plan_groups(seqs, self.members if self.cascade else 1))
+            self._plan = (key, *plan_groups(seqs, self.members if self.cascade else 1, self.cascade_min_prefix,
+                                            max_groups=rows // self.group_splits(rows)))
         return self._plan[1:]
 
     def decode(self, seqs: list[Sequence], window: int) -> StepOutput:
