@@ -88,12 +88,15 @@ def test_store_kv_matches_index_put():
 
 
 @pytest.mark.parametrize("truncate", [False, True])
-def test_triton_sampler_matches_reference(truncate):
+@pytest.mark.parametrize("num_chunks", [None, 1, 32])
+def test_triton_sampler_matches_reference(truncate, num_chunks):
+    """Every vocabulary split gives the reference's tokens (first index on ties) and log-probs."""
     from furlong.engine.kernels import sample_tokens
     from furlong.engine.sampling import SamplingRows, row_thresholds, sample_reference
     g = torch.Generator(device="cuda").manual_seed(7)
     rows, vocab = 64, 151936
     logits = (torch.randn(rows, vocab, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    logits[0, 7] = logits[0, 150000] = 40.0     # a greedy row's tie, in the first and the last chunk
     temp = torch.tensor([0.0, 0.5, 1.0, 1.3] * 16, device="cuda")
     r = SamplingRows(inv_temperature=torch.where(temp > 0, 1 / temp.clamp_min(1e-6), 1.0), greedy=temp == 0,
                      top_k=torch.tensor([vocab, 20, 1, vocab] * 16, device="cuda"),
@@ -106,7 +109,8 @@ def test_triton_sampler_matches_reference(truncate):
         thr = torch.where(r.greedy, float("-inf"), thr)
     else:
         thr = torch.full((rows,), float("-inf"), device="cuda")
-    tok, lp = sample_tokens(logits, r.inv_temperature, r.greedy, thr, r.seed32, r.positions)
+    tok, lp = sample_tokens(logits, r.inv_temperature, r.greedy, thr, r.seed32, r.positions, num_chunks=num_chunks)
+    assert tok[0] == 7
     assert (tok == want_tok).float().mean() >= 0.97      # log() may differ by an ulp: rare near-ties
     full = torch.log_softmax(logits.float() * r.inv_temperature[:, None], -1).gather(-1, tok[:, None])[:, 0]
     torch.testing.assert_close(lp, full, atol=2e-4, rtol=0)
