@@ -26,7 +26,7 @@ from furlong.engine.cascade import plan_groups
 from furlong.models.decoder import Transformer
 from furlong.models.hf_config import ModelArgs
 
-KINDS = (("attention (paged decode)", ("_decode_attn", "_combine")), ("sampler", ("_sample_kernel",)),
+KINDS = (("attention (paged decode)", ("_decode_attn", "_combine")), ("sampler", ("_sample_",)),
          ("matmul", ("gemm", "gemv", "cutlass", "sm90", "nvjet", "cublas")),
          ("KV write (index_put)", ("index_put", "indexing_backward", "index_elementwise")),
          ("fused norm/rope/silu (compiled)", ("triton_",)), ("copy/cast/elementwise", ("elementwise", "copy", "fill")))

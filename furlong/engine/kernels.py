@@ -31,11 +31,13 @@ import triton.language as tl
 
 from furlong.engine.cascade import PrefixGroups
 
+MAX_SAMPLE_CHUNKS = 32   # vocabulary chunks per row of the sampler
+
 
 @triton.jit
 def _decode_attn_kernel(Q, K, V, BT, CL, PL, GR, GP, O, LSE, OUT,
                         s_qb, s_qh, s_kp, s_kh, s_ks, s_bt, s_gr, s_ob, s_oh, s_os, s_lb, s_lh, s_outb, s_outh,
-                        scale, NUM_SPLITS: tl.constexpr, GROUP_SPLITS: tl.constexpr,
+                        scale, num_splits, group_splits,
                         GROUP: tl.constexpr, QP: tl.constexpr, MEMBERS: tl.constexpr, D: tl.constexpr,
                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, CASCADE: tl.constexpr,
                         PRECISION: tl.constexpr):
@@ -49,8 +51,8 @@ def _decode_attn_kernel(Q, K, V, BT, CL, PL, GR, GP, O, LSE, OUT,
         # sp < S: split sp of row pid's own tokens [PL[pid], CL[pid]) -> slot sp. sp == S: split
         # pid % GS of group pid // GS's shared prefix [0, GP[g]), for all its members' query heads at
         # once (QP = MEMBERS * GROUP slots) -> slot S + pid % GS of each member row
-        is_group = sp >= NUM_SPLITS
-        g = pid // GROUP_SPLITS
+        is_group = sp >= num_splits
+        g = pid // group_splits
         member = tl.load(GR + g * s_gr + i // GROUP, mask=is_group & (i // GROUP < MEMBERS), other=-1)
         rows = tl.where(is_group, member, pid)
         heads = kvh * GROUP + tl.where(is_group, i % GROUP, i)
@@ -58,9 +60,9 @@ def _decode_attn_kernel(Q, K, V, BT, CL, PL, GR, GP, O, LSE, OUT,
         lo = tl.where(is_group, 0, tl.load(PL + pid))
         hi = tl.where(is_group, tl.load(GP + g), tl.load(CL + pid))
         table_row = tl.where(is_group, tl.maximum(tl.load(GR + g * s_gr), 0), pid)
-        part = tl.where(is_group, pid % GROUP_SPLITS, sp)
-        num_parts = tl.where(is_group, GROUP_SPLITS, NUM_SPLITS)
-        slot = tl.where(is_group, NUM_SPLITS + part, sp)
+        part = tl.where(is_group, pid % group_splits, sp)
+        num_parts = tl.where(is_group, group_splits, num_splits)
+        slot = tl.where(is_group, num_splits + part, sp)
     else:
         rows = pid + 0 * i
         heads = kvh * GROUP + i
@@ -70,7 +72,7 @@ def _decode_attn_kernel(Q, K, V, BT, CL, PL, GR, GP, O, LSE, OUT,
         table_row = pid
         slot = sp
         part = sp
-        num_parts = NUM_SPLITS
+        num_parts = num_splits
     rows = tl.maximum(rows, 0)
     t_lo = lo // BLOCK_N
     per_split = tl.cdiv(tl.cdiv(hi, BLOCK_N) - t_lo, num_parts)
@@ -166,8 +168,8 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
         q, keys, values, block_tables, context_lens, pl, gr, gp, part, lse, out,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), block_tables.stride(0),
         gr.stride(0), part.stride(0), part.stride(1), part.stride(2) if not direct else 0, lse.stride(0),
-        lse.stride(1), out.stride(0), out.stride(1), 1.0 / math.sqrt(dim), NUM_SPLITS=num_splits,
-        GROUP_SPLITS=group_splits, GROUP=group, QP=qp, MEMBERS=members, D=dim, PAGE=page, BLOCK_N=block_n,
+        lse.stride(1), out.stride(0), out.stride(1), 1.0 / math.sqrt(dim), num_splits,
+        group_splits, GROUP=group, QP=qp, MEMBERS=members, D=dim, PAGE=page, BLOCK_N=block_n,
         DIRECT=direct, CASCADE=cascade,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
     if not direct:
@@ -212,7 +214,7 @@ def _mix32(x):
 
 @triton.jit
 def _sample_chunk_kernel(LOGITS, s_lb, INV_T, GREEDY, THR, SEED, POS, P_MX, P_SE, P_BEST, P_IDX, V, CHUNK,
-                         NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+                         num_chunks, BLOCK: tl.constexpr):
     b = tl.program_id(0)
     c = tl.program_id(1)
     inv_t = tl.load(INV_T + b)
@@ -246,7 +248,7 @@ def _sample_chunk_kernel(LOGITS, s_lb, INV_T, GREEDY, THR, SEED, POS, P_MX, P_SE
         better = tile_best > best
         best_idx = tl.where(better, start + tile_idx, best_idx)
         best = tl.where(better, tile_best, best)
-    out = b * NUM_CHUNKS + c
+    out = b * num_chunks + c
     tl.store(P_MX + out, mx)
     tl.store(P_SE + out, se)
     tl.store(P_BEST + out, best)
@@ -254,16 +256,18 @@ def _sample_chunk_kernel(LOGITS, s_lb, INV_T, GREEDY, THR, SEED, POS, P_MX, P_SE
 
 
 @triton.jit
-def _sample_combine_kernel(LOGITS, s_lb, INV_T, P_MX, P_SE, P_BEST, P_IDX, TOK, LP, NUM_CHUNKS: tl.constexpr):
+def _sample_combine_kernel(LOGITS, s_lb, INV_T, P_MX, P_SE, P_BEST, P_IDX, TOK, LP, num_chunks,
+                           MAX_CHUNKS: tl.constexpr):
     b = tl.program_id(0)
-    c = tl.arange(0, NUM_CHUNKS)
-    mx_c = tl.load(P_MX + b * NUM_CHUNKS + c)
-    se_c = tl.load(P_SE + b * NUM_CHUNKS + c)
+    c = tl.arange(0, MAX_CHUNKS)
+    cm = c < num_chunks
+    mx_c = tl.load(P_MX + b * num_chunks + c, mask=cm, other=float("-inf"))
+    se_c = tl.load(P_SE + b * num_chunks + c, mask=cm, other=0.0)
     mx = tl.max(mx_c, 0)
     se = tl.sum(tl.where(se_c > 0, se_c * tl.exp(mx_c - mx), 0.0), 0)
-    best_c = tl.load(P_BEST + b * NUM_CHUNKS + c)
+    best_c = tl.load(P_BEST + b * num_chunks + c, mask=cm, other=float("-inf"))
     _, chunk = tl.max(best_c, 0, return_indices=True, return_indices_tie_break_left=True)   # first on ties
-    best_idx = tl.load(P_IDX + b * NUM_CHUNKS + chunk)
+    best_idx = tl.load(P_IDX + b * num_chunks + chunk)
     chosen = tl.load(LOGITS + b * s_lb + best_idx).to(tl.float32) * tl.load(INV_T + b)
     tl.store(TOK + b, best_idx.to(tl.int64))
     tl.store(LP + b, chosen - (mx + tl.log(se)))
@@ -273,7 +277,7 @@ def sample_chunks(num_rows: int, vocab: int, num_sms: int, block: int = 2048) ->
     """Vocabulary chunks per row: ~8 programs per multiprocessor (one row alone leaves the GPU idle),
     a power of two, each chunk at least one block."""
     want = -(-8 * num_sms // max(num_rows, 1))
-    return max(1, min(32, 1 << (want - 1).bit_length(), 1 << ((-(-vocab // block)).bit_length() - 1)))
+    return max(1, min(MAX_SAMPLE_CHUNKS, 1 << (want - 1).bit_length(), 1 << ((-(-vocab // block)).bit_length() - 1)))
 
 
 def sample_tokens(logits: torch.Tensor, inv_temperature: torch.Tensor, greedy: torch.Tensor,
@@ -285,6 +289,8 @@ def sample_tokens(logits: torch.Tensor, inv_temperature: torch.Tensor, greedy: t
     num_rows, vocab = logits.shape
     num_sms = torch.cuda.get_device_properties(logits.device).multi_processor_count if logits.is_cuda else 1
     chunks = sample_chunks(num_rows, vocab, num_sms, block) if num_chunks is None else num_chunks
+    if not 1 <= chunks <= MAX_SAMPLE_CHUNKS:
+        raise ValueError(f"sample_tokens: num_chunks must be in [1, {MAX_SAMPLE_CHUNKS}], got {chunks}")
     chunk = -(-vocab // chunks // block) * block                  # whole blocks per chunk
     tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     log_probs = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
@@ -292,7 +298,9 @@ def sample_tokens(logits: torch.Tensor, inv_temperature: torch.Tensor, greedy: t
     part_idx = torch.empty(num_rows, chunks, dtype=torch.int32, device=logits.device)
     _sample_chunk_kernel[(num_rows, chunks)](logits, logits.stride(0), inv_temperature, greedy, thresholds, seed32,
                                              positions, part[0], part[1], part[2], part_idx, vocab, chunk,
-                                             NUM_CHUNKS=chunks, BLOCK=block, num_warps=8)
+                                             chunks, BLOCK=block, num_warps=8)
+    # one compiled combine for every chunk count (MAX_CHUNKS lanes, masked): fewer first-use compiles
     _sample_combine_kernel[(num_rows,)](logits, logits.stride(0), inv_temperature, part[0], part[1], part[2],
-                                        part_idx, tokens, log_probs, NUM_CHUNKS=chunks, num_warps=1)
+                                        part_idx, tokens, log_probs, chunks, MAX_CHUNKS=MAX_SAMPLE_CHUNKS,
+                                        num_warps=1)
     return tokens, log_probs
