@@ -11,22 +11,28 @@ decode kernel (kernels.py) runs two kinds of program over one launch:
 and the parts are merged by their log-sum-exp, as flash-decoding merges its splits (the combine
 kernel, which a non-cascade step at large batch skips). The arithmetic is that of one softmax over
 the row's whole context, regrouped; outputs differ from the single-pass kernel by rounding only.
-For the seed workload (prompts ~96 tokens, 8 samples, responses up to 1024) the prompt is 25% of
-the KV a rollout's decode reads; cascade reads an eighth of that part. vLLM and FlashInfer call the
-same idea cascade attention; unlike them, groups here come from the fork, not from a prefix hash.
+vLLM and FlashInfer call the same idea cascade attention; unlike them, groups here come from the
+fork, not from a prefix hash.
+
+It pays only for long prompts (BENCHMARKS.md, session 7, per decode step at 128 rows: a 1024-token
+prompt 25% faster, 512 12%, 256 even, 128 6% slower): a group's rows run side by side, so the shared
+full pages of a short prompt are mostly served from L2 anyway, and the cascade step pays for a combine
+pass and the group programs. Hence `min_prefix` (EngineConfig.cascade_min_prefix, 256 tokens): the
+seed workload's ~96-token prompts are not grouped; with 8x longer prompts its rollout took 11% less.
 
 Who is grouped (`plan_groups`, plain Python): running rows of one request that were forked from its
 prefill and never preempted (a preempted sample is re-prefilled whole into its own pages, so its
 prompt K/V are computed again and may differ in the last bits), at most `members` rows per group (a
 larger set is cut into several groups); a group needs two rows, a prompt of at least `min_prefix`
-tokens, and a free group slot (the kernel's grid holds B // group_splits groups). On the CPU the engine runs
-`cascade_attention_reference` (exact, each row's prompt read through its group's first member's
-pages), so the CPU tests check the grouping against the no-cache reference.
+tokens, and a free group slot (the kernel's grid holds B // group_splits groups). On the CPU the
+engine runs `cascade_attention_reference` (exact, each row's prompt read through its group's first
+member's pages), so the CPU tests check the grouping against the no-cache reference.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -71,6 +77,21 @@ def plan_groups(seqs: list[Sequence], members: int, min_prefix: int = 1, max_gro
             prefix_lens[r] = p
         prefixes.append(p)
     return prefix_lens, groups, prefixes
+
+
+def group_arrays(plan: tuple[list[int], list[list[int]], list[int]], rows: int, members: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """plan_groups' lists as the decode buffers' host arrays over `rows` padded rows:
+    (prefix_lens [rows], group_rows [rows, members] -1 padded, group_prefix [rows]), int32."""
+    prefix_lens, groups, prefixes = plan
+    lens = np.zeros(rows, dtype=np.int32)
+    lens[:len(prefix_lens)] = prefix_lens
+    table = np.full((rows, members), -1, dtype=np.int32)
+    for g, part in enumerate(groups):
+        table[g, :len(part)] = part
+    pre = np.zeros(rows, dtype=np.int32)
+    pre[:len(prefixes)] = prefixes
+    return lens, table, pre
 
 
 def cascade_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from furlong.engine.cascade import PrefixGroups, cascade_members, plan_groups
+from furlong.engine.cascade import PrefixGroups, cascade_members, group_arrays, plan_groups
 from furlong.engine.forward import EngineForward
 from furlong.engine.kv_cache import DecodeContext, PagedKVCache, PrefillContext
 from furlong.engine.sampling import SamplingRows, row_thresholds, sample_reference
@@ -274,17 +274,9 @@ class ModelRunner:
             self._host_ints[2:, :len(seqs)] = ints
             self._host_floats[:, :len(seqs)] = floats
             self.floats[:, :rows].copy_(torch.from_numpy(self._host_floats))
-            prefix_lens, groups, prefixes = self._groups(seqs, rows)
-            host_groups = np.full((rows, self.members), -1, dtype=np.int32)
-            for g, members in enumerate(groups):
-                host_groups[g, :len(members)] = members
-            host_prefix = np.zeros(rows, dtype=np.int32)
-            host_prefix[:len(prefixes)] = prefixes
-            host_lens = np.zeros(rows, dtype=np.int32)
-            host_lens[:len(seqs)] = prefix_lens
-            self.prefix_lens[:rows].copy_(torch.from_numpy(host_lens))
-            self.group_rows[:rows].copy_(torch.from_numpy(host_groups))
-            self.group_prefix[:rows].copy_(torch.from_numpy(host_prefix))
+            for buf, host in zip((self.prefix_lens, self.group_rows, self.group_prefix),
+                                 group_arrays(self._groups(seqs, rows), rows, self.members)):
+                buf[:rows].copy_(torch.from_numpy(host))
         for i, s in enumerate(seqs):
             n = len(s.block_table)
             if n != self._table_lens[i]:
