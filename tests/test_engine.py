@@ -220,3 +220,18 @@ def test_top_k_1_is_greedy_at_any_temperature(ckpt, prompts):
     out = engine(ckpt).generate([Request(i, p, params, seed=i) for i, p in enumerate(prompts)])
     for p, comps in zip(prompts, out):
         assert comps[0].token_ids == reference_greedy(model, p, 10)
+
+
+def test_engine_applies_yarn_like_the_model(tmp_path, prompts):
+    """A YaRN-scaled checkpoint (scaled frequencies, cos/sin times the attention factor): the engine's
+    own forward decodes what the model's full forward picks, token by token."""
+    path = write_tiny_checkpoint(tmp_path, family="qwen3", vocab_size=128, hidden=64, layers=2, heads=4, kv_heads=2,
+                                 seed=5, rope_scaling={"rope_type": "yarn", "factor": 8.0,
+                                                       "original_max_position_embeddings": 16})
+    model = load_pretrained(path, dtype=torch.float32, device="cpu")
+    assert model.rope_attention_factor > 1.2
+    eng = Engine(model, AutoTokenizer.from_pretrained(path), [], EngineConfig(page_size=8, decode_window=4,
+                                                                              cpu_kv_tokens=512, max_num_seqs=4))
+    out = eng.generate([Request(i, p, greedy(24)) for i, p in enumerate(prompts[:3])])
+    for p, comps in zip(prompts, out):
+        assert comps[0].token_ids == reference_greedy(model, p, 24)

@@ -81,7 +81,10 @@ def test_transformers4_style_config():
 
 @pytest.mark.parametrize("bad, key", [
     ({"model_type": "gpt2"}, "model_type"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_scaling"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 0.7, "mscale_all_dim": 0.7}},
+     "rope_scaling.mscale"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 1, "beta_slow": 32}}, "rope_scaling.beta_fast"),
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "rope_parameters"),
     ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}}, "rope_parameters.factor"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
@@ -100,12 +103,19 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
                "original_max_position_embeddings": 64}
 
 
-@pytest.mark.parametrize("scaling", [LLAMA3_ROPE, {"rope_type": "linear", "factor": 4.0}],
-                         ids=["llama3", "linear"])
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("scaling", [
+    LLAMA3_ROPE, {"rope_type": "linear", "factor": 4.0}, YARN_ROPE,
+    {**YARN_ROPE, "truncate": False, "attention_factor": 1.3, "beta_fast": 16.0}],
+    ids=["llama3", "linear", "yarn", "yarn-untruncated"])
 def test_rope_scaling_matches_transformers(tmp_path, scaling):
-    """Scaled RoPE (Llama 3.1's, linear) gives transformers' logits over 200 positions, and survives a
-    save/load round trip (ours and transformers' reading of the saved config). head_dim 8, theta 1e4: wavelengths 6.3, 63, 628 and 6283 positions put one
-    frequency in each llama3 band (kept, interpolated, divided) for an original context of 64."""
+    """Scaled RoPE (Llama 3.1's, linear, YaRN with its attention factor) gives transformers' logits
+    over 200 positions, and survives a save/load round trip (ours and transformers' reading of the
+    saved config). head_dim 8, theta 1e4: wavelengths 6.3, 63, 628 and 6283 positions put one
+    frequency in each llama3 band (kept, interpolated, divided) for an original context of 64, and
+    YaRN's ramp runs over pairs 0..2 (kept, blended, divided)."""
     path = write_tiny_checkpoint(tmp_path / "ckpt", family="llama", vocab_size=VOCAB, hidden=32, heads=4,
                                  kv_heads=2, rope_scaling=scaling)
     model = load_pretrained(path)

@@ -129,7 +129,7 @@ class EngineForward:
         """input_ids, positions [N] -> final-normed hidden [N, H]; attend(layer, q, k, v) -> [N, Hq, D]."""
         a, m = self.args, self.model
         x = m.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, m.inv_freq)
+        cos, sin = rope_cos_sin(positions, m.inv_freq, m.rope_attention_factor)
         for i, w in enumerate(self.layers):
             q, k, v = self.pre(x, w.ln_w, w.qkv_w, w.qkv_b, w.qn_w, w.kn_w, cos, sin, a.rms_norm_eps,
                                a.num_heads, a.num_kv_heads, a.head_dim)

@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from furlong.models.attention import PackedAttnFn, packed_attention_fn
 from furlong.models.hf_config import ModelArgs
-from furlong.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from furlong.models.rope import apply_rope, rope_attention_factor, rope_cos_sin, rope_inv_freq
 
 
 @dataclass
@@ -135,6 +135,7 @@ class Transformer(nn.Module):
         # Non-persistent: never in a checkpoint; recomputed in fp32 after every move/cast (_apply).
         self.register_buffer("inv_freq", rope_inv_freq(args.head_dim, args.rope_theta, scaling=args.rope_scaling),
                              persistent=False)
+        self.rope_attention_factor = rope_attention_factor(args.rope_scaling)   # cos/sin multiplier (YaRN)
         self.gradient_checkpointing = False
         self.init_weights()
 
@@ -170,7 +171,7 @@ class Transformer(nn.Module):
         x = self.embed_tokens(input_ids)
         if ctx.cu_seqlens is not None:
             ctx = dataclasses.replace(ctx, packed_attn=packed_attention_fn(x))
-        cos, sin = rope_cos_sin(position_ids, self.inv_freq)
+        cos, sin = rope_cos_sin(position_ids, self.inv_freq, self.rope_attention_factor)
         ckpt = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:
             x = checkpoint(layer, x, cos, sin, ctx, use_reentrant=False) if ckpt else layer(x, cos, sin, ctx)

@@ -7,8 +7,9 @@ few switches, set per `model_type` by the small functions in `_FAMILIES`:
   qwen3: per-head RMSNorm on q and k (qk-norm); `attention_bias` on q/k/v/o
 Both the transformers-4 layout (`rope_theta`, `rope_scaling`, `torch_dtype`) and
 the transformers-5 layout (`rope_parameters`, `dtype`) are read. RoPE is plain or
-rescaled by "linear" or "llama3" (rope.py: Llama 3.1-3.3 checkpoints); another scaling
-type is a ValueError, as are sliding-window attention and activations other than SiLU.
+rescaled by "linear", "llama3" (rope.py: Llama 3.1-3.3 checkpoints) or "yarn" (Qwen's
+long-context configs); another scaling type is a ValueError, as are sliding-window
+attention and activations other than SiLU.
 """
 from __future__ import annotations
 
@@ -189,6 +190,22 @@ def _rope_scaling(cfg: dict[str, Any], source: str) -> RopeScaling | None:
 
     if kind == "linear":
         return RopeScaling("linear", float(number("factor")))
+    if kind == "yarn":
+        for name in ("mscale", "mscale_all_dim"):
+            if block.get(name) is not None:
+                raise ValueError(f"{source}: {key}.{name} (DeepSeek's YaRN attention factor) is not supported")
+        truncate = block.get("truncate", True)
+        if not isinstance(truncate, bool):
+            raise ValueError(f"{source}: {key}.truncate must be true or false, got {truncate!r}")
+        original = block.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+        fast, slow = float(number("beta_fast", 32.0)), float(number("beta_slow", 1.0))
+        if fast <= slow:
+            raise ValueError(f"{source}: {key}.beta_fast ({fast}) must exceed beta_slow ({slow})")
+        attention = block.get("attention_factor")
+        return RopeScaling("yarn", float(number("factor")),
+                           original_max_position_embeddings=int(number("original_max_position_embeddings", original)),
+                           beta_fast=fast, beta_slow=slow, truncate=truncate,
+                           attention_factor=None if attention is None else float(number("attention_factor")))
     low, high = float(number("low_freq_factor")), float(number("high_freq_factor"))
     if high <= low:
         raise ValueError(f"{source}: {key}.high_freq_factor ({high}) must exceed low_freq_factor ({low})")
@@ -201,6 +218,11 @@ def _scaling_fields(scaling: RopeScaling | None) -> dict[str, Any] | None:
         return None
     if scaling.rope_type == "linear":
         return {"rope_type": "linear", "factor": scaling.factor}
+    if scaling.rope_type == "yarn":
+        out = {"rope_type": "yarn", "factor": scaling.factor, "beta_fast": scaling.beta_fast,
+               "beta_slow": scaling.beta_slow, "truncate": scaling.truncate,
+               "original_max_position_embeddings": scaling.original_max_position_embeddings}
+        return out if scaling.attention_factor is None else {**out, "attention_factor": scaling.attention_factor}
     return {"rope_type": scaling.rope_type, "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
             "high_freq_factor": scaling.high_freq_factor,
             "original_max_position_embeddings": scaling.original_max_position_embeddings}
