@@ -235,3 +235,20 @@ def test_engine_applies_yarn_like_the_model(tmp_path, prompts):
     out = eng.generate([Request(i, p, greedy(24)) for i, p in enumerate(prompts[:3])])
     for p, comps in zip(prompts, out):
         assert comps[0].token_ids == reference_greedy(model, p, 24)
+
+
+def test_staged_decode_inputs_follow_sequences_not_object_ids(ckpt, prompts, monkeypatch):
+    """The runner re-stages a row's sampling inputs and block table when another sequence takes it,
+    even if the new object has the old one's id (CPython reuses the address of a freed object):
+    with every id() in the runner the same, a changed running set must still be re-staged."""
+    import furlong.engine.model_runner as model_runner
+    monkeypatch.setattr(model_runner, "id", lambda obj: 0, raising=False)
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True)
+    eng = engine(ckpt, max_num_seqs=2, decode_window=2)
+    # two rows at a time: as one finishes, a waiting request takes its row with another seed and pages
+    out = eng.generate([Request(i, prompts[i % 2], params, seed=10 + i,
+                                sample_max_new_tokens=[2 + 2 * (i % 2)]) for i in range(4)])
+    for i, (comps, req_prompt) in enumerate(zip(out, [prompts[i % 2] for i in range(4)])):
+        alone = engine(ckpt).generate([Request(0, req_prompt, params, seed=10 + i,
+                                               sample_max_new_tokens=[2 + 2 * (i % 2)])])[0][0]
+        assert comps[0].token_ids == alone.token_ids, f"request {i}"

@@ -93,7 +93,7 @@ class ModelRunner:
         self.stable: tuple | None = None      # (keys, values) StableBuffers, reserved on first use
         self.ints = None                      # decode buffers, made on first use (see allocate)
         self.kv_bytes = 0                     # KV cache of the current session
-        self._stage_key = None                # running set whose inputs the buffers hold (_stage)
+        self._stage_key = None                # running set (serials) whose inputs the buffers hold (_stage)
         self._plan: tuple = (None, [], [], [])  # (running-set key, prefix_lens, group rows, group prefixes)
 
     # ---- session -------------------------------------------------------------------------------
@@ -132,7 +132,8 @@ class ModelRunner:
         self.kv_bytes = num_pages * self.page_bytes()
         self.cache.keys[0].zero_()     # the scratch page: padded rows read it, keep it finite
         self.cache.values[0].zero_()
-        self._stage_key = None
+        self._stage_key = None                # serials restart with the session's scheduler
+        self._plan = (None, [], [], [])
         if self.ints is None or self.block_tables.shape[1] != max_pages_per_seq:
             self.graphs.clear()
             self.ints = torch.zeros(len(INT_ROWS), rows, dtype=torch.int64, device=dev)       # see INT_ROWS
@@ -262,7 +263,7 @@ class ModelRunner:
         """Write the window's inputs into the decode buffers. Host staging arrays are reused: the
         per-sequence sampling rows are rebuilt only when the running set changed, and block-table
         rows only where a table grew; ids and positions are rewritten every window."""
-        key = (rows, tuple(id(s) for s in seqs), self.cascade)
+        key = (rows, tuple(s.serial for s in seqs), self.cascade)
         width = self.block_tables.shape[1]
         if key != self._stage_key:
             self._stage_key = key
@@ -289,7 +290,7 @@ class ModelRunner:
 
     def _groups(self, seqs: list[Sequence], rows: int) -> tuple[list[int], list[list[int]], list[int]]:
         """plan_groups of this running set, computed once per running set."""
-        key = (rows, tuple(id(s) for s in seqs), self.cascade)
+        key = (rows, tuple(s.serial for s in seqs), self.cascade)
         if self._plan[0] != key:
             self._plan = (key, *plan_groups(seqs, self.members if self.cascade else 1, self.cascade_min_prefix,
                                             max_groups=rows // self.group_splits(rows)))

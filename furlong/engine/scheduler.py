@@ -20,6 +20,7 @@ of two plans:
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -53,6 +54,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.active_ids: dict[int, int] = {}      # request id -> samples not yet finished
+        self._serials = itertools.count()         # Sequence.serial of each admission
 
     def add(self, request: Request) -> None:
         if request.request_id in self.active_ids:
@@ -110,6 +112,8 @@ class Scheduler:
             else:
                 self.blocks.grow(item.block_table, item.num_tokens)
                 out.append(PrefillItem(sequences=[item], token_ids=list(item.token_ids)))
+            for s in out[-1].sequences:
+                s.serial = next(self._serials)
         return out
 
     def schedule(self) -> Plan | None:

@@ -54,6 +54,8 @@ class Sequence:
     finish_reason: str | None = None
     stopped_by_string: bool = False          # its text is cut after the stop string
     num_preemptions: int = 0
+    serial: int = -1                         # set at each admission, unique per scheduler: the model runner
+                                             # keys its staged buffers on it (object ids are reused)
 
     @property
     def num_tokens(self) -> int:
