@@ -86,7 +86,8 @@ class Scheduler:
     def _pages_needed(self, item: Request | Sequence) -> int:
         num, tokens = self._unit(item)
         fork = self.blocks.fork_cost(tokens, num) if isinstance(item, Request) else 0
-        return pages_for(tokens, self.blocks.block_size) + fork + num * pages_for(self.window + 1, self.blocks.block_size)
+        head_room = num * pages_for(self.window + 1, self.blocks.block_size)    # one decode window per sample
+        return pages_for(tokens, self.blocks.block_size) + fork + head_room
 
     def _admit(self) -> list[PrefillItem]:
         free_pages, free_rows = self.blocks.num_free, self.max_num_seqs - len(self.running)
