@@ -97,6 +97,7 @@ def test_all_parts_run_and_agree_with_the_workload(tmp_path, capsys):
     assert ro["first_seconds"] > 0 and ro["kv_cache_gib"] > 0
     # continuous batching: rows leave at their own length, so the mean batch is below 6
     assert ro["decode_steps"] >= max(resp) - 1 and ro["mean_running_batch"] < 6
+    assert ro["cascade_row_fraction"] == 0 and ro["no_cascade_seconds"] is None   # prompts below 256 tokens
 
     ev = parts["eval"]["result"]
     assert ev["num_prompts"] == 5 and ev["num_generated_tokens"] == 5 * 6
@@ -222,3 +223,20 @@ def test_median_ms_times_each_call_after_a_warm_up():
         time.sleep(0.01 * len(calls))      # 10, 20, 30, 40 ms: the warm-up (10 ms) is not counted
     ms = median_ms(fn, torch.device("cpu"), 3)
     assert len(calls) == 4 and 28 <= ms < 39
+
+
+def test_rollout_part_times_cascade_on_and_off_when_rows_share_prompts(tmp_path, monkeypatch):
+    """With groups formed (the threshold lowered for the tiny prompts), the rollout part reports the
+    grouped fraction and times the same rollout with cascade off."""
+    from furlong.bench import generation_parts
+    make = generation_parts.make_engine
+
+    def grouped(*a, **kw):
+        engine = make(*a, **kw)
+        engine.runner.cascade_min_prefix = 1
+        return engine
+    monkeypatch.setattr(generation_parts, "make_engine", grouped)
+    out = tmp_path / "bench.json"
+    assert bench.run_bench(str(write(tmp_path, tiny_workload())), str(out), "rollout") == 0
+    ro = json.loads(out.read_text())["parts"]["rollout"]["result"]
+    assert 0 < ro["cascade_row_fraction"] <= 1 and ro["no_cascade_seconds"] > 0

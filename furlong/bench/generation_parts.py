@@ -63,13 +63,15 @@ def part_rollout(b: Bench) -> RolloutResult:
     kv_gib = engine.runner.kv_bytes / 2**30
     engine.release()
     engine.reset_stats()
-    # side by side: cascade off (its graphs captured by an untimed rollout first), same prompts
-    engine.runner.cascade = False
-    engine.generate(_rollout_requests(b, prompts, seed=1))
-    engine.release()
-    _, plain_s = timed(lambda: engine.generate(_rollout_requests(b, prompts, seed=0)), dev)
-    engine.runner.cascade = True
-    engine.release()
+    plain_s = None
+    if stats.num_grouped_rows:
+        # side by side: cascade off (its graphs captured by an untimed rollout first), same prompts
+        engine.runner.cascade = False
+        engine.generate(_rollout_requests(b, prompts, seed=1))
+        engine.release()
+        _, plain_s = timed(lambda: engine.generate(_rollout_requests(b, prompts, seed=0)), dev)
+        engine.runner.cascade = True
+        engine.release()
     got = [len(c.token_ids) for cs in outs for c in cs]
     if got != list(w.response_lens):
         bad = next(i for i, (a, r) in enumerate(zip(got, w.response_lens)) if a != r)
@@ -83,7 +85,8 @@ def part_rollout(b: Bench) -> RolloutResult:
         cascade_row_fraction=stats.grouped_fraction, no_cascade_seconds=plain_s,
         note="32 requests x n=8 (prompt prefilled once), each sample forced to its own length (ignore_eos); "
              "seconds: a new session over kept graphs (every step after the first); first_seconds: the first "
-             "rollout, graph captures included; no_cascade_seconds: the same with cascade off, same run")
+             "rollout, graph captures included; no_cascade_seconds: the same with cascade off, same run (None: "
+             "no row used cascade)")
 
 
 def part_decode(b: Bench) -> DecodeResult:

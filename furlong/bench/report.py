@@ -93,7 +93,7 @@ class RolloutResult:
     peak_gib: float | None           # torch allocations (the KV cache is mapped outside them)
     kv_cache_gib: float              # KV cache mapped for the session (--rollout-kv-fraction of free memory)
     cascade_row_fraction: float      # decode rows that read their prompt's KV once per group (cascade)
-    no_cascade_seconds: float        # the same later rollout with cascade off (--rollout-no-cascade), same run
+    no_cascade_seconds: float | None  # the same later rollout with cascade off, same run (None: no row used it)
     note: str
 
 
