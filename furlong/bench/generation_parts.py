@@ -62,7 +62,6 @@ def part_rollout(b: Bench) -> RolloutResult:
     peak = peak_gib(dev)
     kv_gib = engine.runner.kv_bytes / 2**30
     engine.release()
-    engine.reset_stats()
     plain_s = None
     if stats.num_grouped_rows:
         # side by side: cascade off (its graphs captured by an untimed rollout first), same prompts
@@ -165,7 +164,6 @@ def part_eval(b: Bench) -> EvalProbeResult:
     stats = engine.reset_stats()
     kv_gib = engine.runner.kv_bytes / 2**30
     engine.release()
-    engine.reset_stats()
     num = sum(len(c.token_ids) for cs in outs for c in cs)
     return EvalProbeResult(num_prompts=len(prompts), max_new_tokens=w.eval_max_new_tokens, num_generated_tokens=num,
                            seconds=secs, tok_per_s=rate(num, secs), decode_steps=stats.num_decode_steps,

@@ -48,7 +48,7 @@ class EngineConfig:
     max_model_len: int = 4096         # prompt + response tokens of any request
     use_cuda_graphs: bool = True
     cascade: bool = True              # a group's shared prompt KV read once per decode step (cascade.py)
-    cascade_min_prefix: int = 256     # tokens: shorter shared prompts are read by each row (L2 already dedups them)
+    cascade_min_prefix: int = 256     # tokens: shorter shared prompts are read by each row (measured no gain)
     compile: bool | None = None       # torch.compile the layer blocks (None: on CUDA)
     cpu_kv_tokens: int = 1 << 16      # KV slots on CPU, where free memory is not measured
 
