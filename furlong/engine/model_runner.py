@@ -139,7 +139,7 @@ class ModelRunner:
             self.ints = torch.zeros(len(INT_ROWS), rows, dtype=torch.int64, device=dev)       # see INT_ROWS
             self.floats = torch.ones(len(FLOAT_ROWS), rows, dtype=torch.float32, device=dev)  # see FLOAT_ROWS
             self.block_tables = torch.zeros(rows, max_pages_per_seq, dtype=torch.int32, device=dev)
-            # cascade groups (cascade.PrefixGroups), one slot per row: at most rows / 2 are used
+            # cascade groups (cascade.PrefixGroups), one slot per row: rows // group_splits(rows) are read
             self.prefix_lens = torch.zeros(rows, dtype=torch.int32, device=dev)
             self.group_rows = torch.full((rows, self.members), -1, dtype=torch.int32, device=dev)
             self.group_prefix = torch.zeros(rows, dtype=torch.int32, device=dev)
@@ -163,13 +163,14 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, rows: SamplingRows, truncate: bool) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.on_gpu:
             return sample_reference(logits, rows, truncate)
-        from furlong.engine.kernels import sample_tokens
+        from furlong.engine.kernels import sample_chunks, sample_tokens
         if truncate:
             thr = row_thresholds(logits.float() * rows.inv_temperature[:, None], rows.top_k, rows.top_p)
             thr = torch.where(rows.greedy, float("-inf"), thr)
         else:
             thr = self.no_threshold[:logits.shape[0]]
-        return sample_tokens(logits, rows.inv_temperature, rows.greedy, thr, rows.seed32, rows.positions)
+        return sample_tokens(logits, rows.inv_temperature, rows.greedy, thr, rows.seed32, rows.positions,
+                             num_chunks=sample_chunks(logits.shape[0], logits.shape[1], self.num_sms))
 
     # ---- prefill -------------------------------------------------------------------------------
     def prefill(self, items: list[PrefillItem]) -> torch.Tensor:
@@ -259,11 +260,10 @@ class ModelRunner:
             self.pool = graph.pool()
         self.graphs[(rows, truncate, cascade)] = graph
 
-    def _stage(self, seqs: list[Sequence], rows: int) -> None:
+    def _stage(self, seqs: list[Sequence], rows: int, key: tuple) -> None:
         """Write the window's inputs into the decode buffers. Host staging arrays are reused: the
-        per-sequence sampling rows are rebuilt only when the running set changed, and block-table
-        rows only where a table grew; ids and positions are rewritten every window."""
-        key = (rows, tuple(s.serial for s in seqs), self.cascade)
+        per-sequence sampling rows are rebuilt only when the running set (`key`) changed, and
+        block-table rows only where a table grew; ids and positions are rewritten every window."""
         width = self.block_tables.shape[1]
         if key != self._stage_key:
             self._stage_key = key
@@ -276,7 +276,7 @@ class ModelRunner:
             self._host_floats[:, :len(seqs)] = floats
             self.floats[:, :rows].copy_(torch.from_numpy(self._host_floats))
             for buf, host in zip((self.prefix_lens, self.group_rows, self.group_prefix),
-                                 group_arrays(self._groups(seqs, rows), rows, self.members)):
+                                 group_arrays(self._groups(seqs, rows, key), rows, self.members)):
                 buf[:rows].copy_(torch.from_numpy(host))
         for i, s in enumerate(seqs):
             n = len(s.block_table)
@@ -288,24 +288,27 @@ class ModelRunner:
         self.ints[:, :rows].copy_(torch.from_numpy(self._host_ints))
         self.block_tables[:rows].copy_(torch.from_numpy(self._host_tables))
 
-    def _groups(self, seqs: list[Sequence], rows: int) -> tuple[list[int], list[list[int]], list[int]]:
-        """plan_groups of this running set, computed once per running set."""
-        key = (rows, tuple(s.serial for s in seqs), self.cascade)
+    def _groups(self, seqs: list[Sequence], rows: int, key: tuple) -> tuple[list[int], list[list[int]], list[int]]:
+        """plan_groups of this running set (`key`), computed once per running set; none with cascade off."""
         if self._plan[0] != key:
-            self._plan = (key, *plan_groups(seqs, self.members if self.cascade else 1, self.cascade_min_prefix,
-                                            max_groups=rows // self.group_splits(rows)))
+            capacity = rows // self.group_splits(rows)
+            plan = plan_groups(seqs, self.members, self.cascade_min_prefix, capacity) if self.cascade \
+                else ([0] * len(seqs), [], [])
+            self._plan = (key, *plan)
         return self._plan[1:]
 
     def decode(self, seqs: list[Sequence], window: int) -> StepOutput:
         num = len(seqs)
         rows = self.buckets[bisect.bisect_left(self.buckets, num)] if self.use_cuda_graphs else num
         truncate = any(s.params.truncates for s in seqs)
-        prefix_lens, groups, _ = self._groups(seqs, rows)
+        # the running set: serials, not object ids (a new sequence may get a freed one's address)
+        key = (rows, tuple(s.serial for s in seqs), self.cascade)
+        prefix_lens, groups, _ = self._groups(seqs, rows, key)
         cascade = bool(groups)
         if self.use_cuda_graphs and (rows, truncate, cascade) not in self.graphs:
             self._capture(rows, truncate, cascade)
             self._stage_key = None       # capture overwrote the buffers
-        self._stage(seqs, rows)
+        self._stage(seqs, rows, key)
         toks = torch.empty(window, rows, dtype=torch.int64, device=self.device)
         lps = torch.empty(window, rows, dtype=torch.float32, device=self.device)
         for i in range(window):
