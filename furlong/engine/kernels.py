@@ -90,10 +90,9 @@ def _decode_attn_kernel(Q, K, V, BT, CL, PL, GR, GP, O, LSE, OUT,
         k = tl.load(K + off, mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [QP, BLOCK_N] fp32
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)          # a tile wholly masked for the row
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
+        m_new = tl.maximum(m, tl.max(s, 1))   # finite: every tile in [lo, hi) holds a token of the range
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
         l = l * alpha + tl.sum(p, 1)
         v = tl.load(V + off, mask=valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -138,7 +137,8 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     """q [B, Hq, D]; keys/values [num_pages, Hkv, page, D]; block_tables [B, max_pages] int32;
     context_lens [B] int32 -> [B, Hq, D] in q's dtype (zeros where context_lens is 0).
     prefix (cascade): rows that share their first tokens' KV read it once per group (see PrefixGroups),
-    each group's prefix split `group_splits` ways; the first B // group_splits groups are read."""
+    each group's prefix split `group_splits` ways; the first B // group_splits groups are read. A
+    grouped row's prefix must be shorter than its context (the engine's always is: it holds the prompt)."""
     num_rows, num_heads, dim = q.shape
     _, num_kv, page, _ = keys.shape
     group = num_heads // num_kv
