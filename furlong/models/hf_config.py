@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from furlong.models.rope import SCALINGS, RopeScaling
+from furlong.models.rope import SCALING_FIELDS, SCALINGS, RopeScaling
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -216,16 +216,8 @@ def _scaling_fields(scaling: RopeScaling | None) -> dict[str, Any] | None:
     """A RopeScaling as config.json writes it (None for plain RoPE)."""
     if scaling is None:
         return None
-    if scaling.rope_type == "linear":
-        return {"rope_type": "linear", "factor": scaling.factor}
-    if scaling.rope_type == "yarn":
-        out = {"rope_type": "yarn", "factor": scaling.factor, "beta_fast": scaling.beta_fast,
-               "beta_slow": scaling.beta_slow, "truncate": scaling.truncate,
-               "original_max_position_embeddings": scaling.original_max_position_embeddings}
-        return out if scaling.attention_factor is None else {**out, "attention_factor": scaling.attention_factor}
-    return {"rope_type": scaling.rope_type, "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
-            "high_freq_factor": scaling.high_freq_factor,
-            "original_max_position_embeddings": scaling.original_max_position_embeddings}
+    fields = {name: getattr(scaling, name) for name in SCALING_FIELDS[scaling.rope_type]}
+    return {"rope_type": scaling.rope_type, **{k: v for k, v in fields.items() if v is not None}}
 
 
 def _rope_theta(cfg: dict[str, Any], source: str) -> float:

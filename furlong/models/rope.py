@@ -87,6 +87,11 @@ def _llama3(inv_freq: torch.Tensor, s: RopeScaling, theta: float) -> torch.Tenso
 # rope_type -> inverse-frequency rescaling (the one place scalings are chosen)
 SCALINGS: dict[str, Callable[[torch.Tensor, RopeScaling, float], torch.Tensor]] = {
     "linear": _linear, "llama3": _llama3, "yarn": _yarn}
+# rope_type -> the RopeScaling fields it reads (config.json carries these; None ones are left out)
+SCALING_FIELDS: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "beta_fast", "beta_slow", "truncate", "original_max_position_embeddings", "attention_factor")}
 
 
 def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None = None,
