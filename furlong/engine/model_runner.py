@@ -212,20 +212,22 @@ class ModelRunner:
                             seed32=ints[0], positions=positions)
 
     # ---- decode --------------------------------------------------------------------------------
-    def num_splits(self, rows: int) -> int:
-        """KV-length splits: enough (row, kv head, split) programs for ~4 per multiprocessor."""
+    def _splits(self, units: int, cap: int) -> int:
+        """KV-length splits so that (unit, kv head, split) programs number ~4 per multiprocessor: a
+        power of two in [1, cap] (1 on the CPU)."""
         if not self.on_gpu:
             return 1
-        want = -(-4 * self.num_sms // (rows * self.args.num_kv_heads))
-        return max(1, min(16, 1 << (want - 1).bit_length()))
+        want = -(-4 * self.num_sms // (max(1, units) * self.args.num_kv_heads))
+        return max(1, min(cap, 1 << (want - 1).bit_length()))
+
+    def num_splits(self, rows: int) -> int:
+        """KV-length splits of each row's own tokens."""
+        return self._splits(rows, 16)
 
     def group_splits(self, rows: int) -> int:
-        """KV-length splits of a cascade group's prefix: ~4 programs per multiprocessor when the rows
-        form full groups, at most `members` (the grid holds rows // group_splits groups)."""
-        if not self.on_gpu:
-            return 1
-        want = -(-4 * self.num_sms // (max(1, rows // self.members) * self.args.num_kv_heads))
-        return max(1, min(self.members, 1 << (want - 1).bit_length()))
+        """KV-length splits of a cascade group's prefix, counted as if the rows formed full groups; at
+        most `members`, since the grid holds rows // group_splits groups."""
+        return self._splits(rows // self.members, self.members)
 
     def _step(self, rows: int, truncate: bool, cascade: bool) -> None:
         """One decode step over the first `rows` buffer rows, state advanced in place (graph-safe)."""
