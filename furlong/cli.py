@@ -122,7 +122,7 @@ def _build_parser() -> _Parser:
     d.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cpu: the laptop preset; cuda: the GPU preset (a larger model and task, ~10 min on one H200)")
     d.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", dest="settings",
-                   help="override one setting of the preset (a DemoScale field in furlong/demo.py); repeatable")
+                   help="override one setting of the preset (a DemoScale field in furlong/commands/demo.py); repeatable")
     b = sub.add_parser("bench", help="benchmark one RL step of a workload file")
     b.add_argument("--workload", required=True)
     b.add_argument("--output", default=None)
@@ -153,7 +153,7 @@ def _run(argv: list[str]) -> int:
         if cfg.rollout.rollout_num_gpus_per_engine > 1:
             print(f"furlong: note: --rollout-num-gpus-per-engine {cfg.rollout.rollout_num_gpus_per_engine}: the "
                   "built-in engine runs one data-parallel copy per rank (no tensor parallelism)", file=sys.stderr)
-        from furlong.entry import COMMANDS
+        from furlong.launch.entry import COMMANDS
         return COMMANDS[command](cfg)
     args = _build_parser().parse_args(argv)
     _check_output(args)
@@ -173,18 +173,18 @@ def _run(argv: list[str]) -> int:
         print(f"score: {rep.num_correct}/{rep.num_rows} correct, accuracy {100 * rep.accuracy:.1f}%")
         return 0
     if args.command == "demo":
-        from furlong.demo import run_demo
+        from furlong.commands.demo import run_demo
         return run_demo(args.output_dir, seed=args.seed, quick=args.quick, device=args.device,
                         settings=args.settings)
     if args.command == "bench":
         from furlong.bench import run_bench
         return run_bench(args.workload, args.output, args.parts)
     if args.command == "plot":
-        from furlong.plot import plot_run
+        from furlong.commands.plot import plot_run
         print(f"plot: wrote {plot_run(args.run_dir, args.output)}")
         return 0
     if args.command == "export":
-        from furlong.export import export_hf
+        from furlong.commands.export import export_hf
         export_hf(args.load, args.output, args.hf_checkpoint, ckpt_step=args.ckpt_step)
         print(f"export: wrote {args.output}")
         return 0
@@ -194,7 +194,7 @@ def _run(argv: list[str]) -> int:
 def _check_output(args: argparse.Namespace) -> None:
     """--output of prepare/export (a directory) and score (a file) must be writable before any work
     starts, and the error names the flag."""
-    from furlong.preflight import check_writable
+    from furlong.run.preflight import check_writable
     target = getattr(args, "output", None)
     if target is None or args.command not in ("prepare", "export", "score"):
         return
@@ -214,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:
         # User errors (bad input, a run that cannot succeed): one line, no traceback.
         # Anything else is a bug and keeps its traceback.
-        from furlong.entry import error_line, exit_code_for
+        from furlong.launch.entry import error_line, exit_code_for
         code = exit_code_for(e)
         if code is None:
             raise

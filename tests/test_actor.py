@@ -20,11 +20,11 @@ from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
 from furlong.config import Config  # noqa: E402
 from furlong.models.hf_io import load_pretrained  # noqa: E402
-from furlong.specs import actor_spec  # noqa: E402
-from furlong.train.actor import Actor  # noqa: E402
-from furlong.train.distributed import WorkerError, all_reduce_max, all_reduce_sum, init_distributed, launch_local  # noqa: E402
-from furlong.train.memory_probe import CPU_DEFAULT_TOKENS, ProbeMeasurement, choose_max_tokens, probe_max_tokens  # noqa: E402
-from furlong.train.weight_sync import _buckets, sync_weights  # noqa: E402
+from furlong.run.specs import actor_spec  # noqa: E402
+from furlong.trainer.actor import Actor  # noqa: E402
+from furlong.launch.distributed import WorkerError, all_reduce_max, all_reduce_sum, init_distributed, launch_local  # noqa: E402
+from furlong.trainer.memory_probe import CPU_DEFAULT_TOKENS, ProbeMeasurement, choose_max_tokens, probe_max_tokens  # noqa: E402
+from furlong.trainer.weight_sync import _buckets, sync_weights  # noqa: E402
 from furlong.types import TrainSample  # noqa: E402
 
 VOCAB = 128

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 
-from furlong.train.advantages import ESTIMATORS, AdvantageInputs, AdvantageParams, get_estimator, whiten
+from furlong.algorithms.advantages import ESTIMATORS, AdvantageInputs, AdvantageParams, get_estimator, whiten
 
 
 # ------------------------------------------------------------------ random inputs

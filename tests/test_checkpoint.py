@@ -19,11 +19,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_actor import full_weights, synthetic_samples, tiny_ckpt, tiny_config  # noqa: E402,F401 (tiny_ckpt: fixture)
 
 from furlong.models.hf_io import load_pretrained  # noqa: E402
-from furlong.specs import actor_spec  # noqa: E402
-from furlong.train.actor import Actor  # noqa: E402
-from furlong.train.checkpoint import (SLEEP_ENV, TRACKER, latest_iteration, load_checkpoint,  # noqa: E402
+from furlong.run.specs import actor_spec  # noqa: E402
+from furlong.trainer.actor import Actor  # noqa: E402
+from furlong.checkpoint.store import (SLEEP_ENV, TRACKER, latest_iteration, load_checkpoint,  # noqa: E402
                                       save_checkpoint)
-from furlong.train.distributed import init_distributed  # noqa: E402
+from furlong.launch.distributed import init_distributed  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,13 +84,13 @@ def test_load_without_checkpoint_returns_none(tiny_ckpt, tmp_path):
 CRASH_SCRIPT = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, {tests!r})
-    from furlong.train.distributed import launch_local
+    from furlong.launch.distributed import launch_local
 
     def work(ckpt, save_dir):
         import torch
         from test_checkpoint import make_actor, rollout_samples
         from test_actor import full_weights
-        from furlong.train.checkpoint import save_checkpoint, SLEEP_ENV
+        from furlong.checkpoint.store import save_checkpoint, SLEEP_ENV
         a = make_actor(ckpt)
         a.train_step(rollout_samples(0))
         save_checkpoint(save_dir, a, rollout_id=0, sampler_state={{"epoch": 1}})
@@ -143,7 +143,7 @@ def test_export_hf_loads_in_transformers(tiny_ckpt, tmp_path):
     """Train, save, export; transformers' logits on the export equal our trained model's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from furlong.export import export_hf
+    from furlong.commands.export import export_hf
 
     a = make_actor(tiny_ckpt)
     a.train_step(rollout_samples(0))
@@ -168,7 +168,7 @@ def test_eval_load_generates_with_the_chosen_iteration(tiny_ckpt, tmp_path, caps
     import json
 
     from furlong.cli import main
-    from furlong.export import export_hf
+    from furlong.commands.export import export_hf
     from furlong.tasks.synthetic import prepare_synthetic
 
     a = make_actor(tiny_ckpt)

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from furlong.config import Config
-from furlong.specs import sample_spec
-from furlong.train.advantages import AdvantageInputs, AdvantageParams, get_estimator, whiten
-from furlong.train.shaping import overlong_penalty
-from furlong.train.train_samples import build_train_samples
+from furlong.run.specs import sample_spec
+from furlong.algorithms.advantages import AdvantageInputs, AdvantageParams, get_estimator, whiten
+from furlong.algorithms.shaping import overlong_penalty
+from furlong.run.train_samples import build_train_samples
 from furlong.types import Group, Prompt, Sample
 
 

@@ -100,6 +100,6 @@ def run_bench(workload_path: str, output_path: str | None = None, parts: str = "
             print(f"[bench] wrote {out}", flush=True)
     finally:
         if b.owns_group:
-            from furlong.train.distributed import destroy_distributed
+            from furlong.launch.distributed import destroy_distributed
             destroy_distributed()
     return 0 if all(r.status == "ok" for r in b.reports.values()) else 1

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from furlong.bench.measure import OOM_ERRORS, PartTimeout, free_memory, peak_gib, rate, reset_peak, timed
 from furlong.bench.report import BudgetResult, BudgetRow, HfTrainResult, TrainResult
 from furlong.bench.state import Bench, build_hf_model
-from furlong.train.mfu import mfu as train_mfu
+from furlong.trainer.mfu import mfu as train_mfu
 from furlong.types import TrainSample
 
 TIMED_TRAIN_STEPS = 3
@@ -30,7 +30,7 @@ TIMED_TRAIN_STEPS = 3
 
 
 def part_train(b: Bench) -> TrainResult:
-    from furlong.train.planning import balance_stats, plan_micro_batches, split_across_ranks
+    from furlong.trainer.planning import balance_stats, plan_micro_batches, split_across_ranks
     actor, dev, samples = b.actor(), b.device, b.train_samples()
     lengths = [s.num_tokens for s in samples]
     num_tokens = sum(lengths)
@@ -72,7 +72,7 @@ def part_train(b: Bench) -> TrainResult:
 
     sync_s, sync_bytes, note = None, None, "ok"
     try:
-        from furlong.train.weight_sync import sync_weights
+        from furlong.trainer.weight_sync import sync_weights
         bucket = b.w.update_weight_buffer_size
         sync_weights(actor.model, b.engine(), bucket)                           # warm-up
         sync_bytes, sync_s = timed(lambda: sync_weights(actor.model, b.engine(), bucket), dev)
@@ -119,7 +119,7 @@ def _guarded_measure(fn: Callable[[], Any], dev: torch.device, actor: Any
 def _auto_budget(b: Bench) -> tuple[int | None, str]:
     """memory_probe's budget, with the engine's weights reserved as in a colocated run."""
     try:
-        from furlong.train.memory_probe import probe_max_tokens
+        from furlong.trainer.memory_probe import probe_max_tokens
     except ImportError as e:
         return None, f"memory_probe unavailable: {e!r}"
     reserved = sum(p.numel() * p.element_size() for p in b.engine().parameters())
@@ -127,7 +127,7 @@ def _auto_budget(b: Bench) -> tuple[int | None, str]:
 
 
 def part_budget(b: Bench) -> BudgetResult:
-    from furlong.train.planning import plan_micro_batches
+    from furlong.trainer.planning import plan_micro_batches
     actor, dev, samples = b.actor(), b.device, b.train_samples()
     lengths = [s.num_tokens for s in samples]
     num_tokens, rows = sum(lengths), []

@@ -15,16 +15,16 @@ from dataclasses import dataclass
 import torch
 
 from furlong.config import Config
-from furlong.metrics import Progress, progress_line, write_samples
+from furlong.run.metrics import Progress, progress_line, write_samples
 from furlong.rollout.eval import run_eval
 from furlong.rollout.rollout import RolloutBatch, RolloutSpec, generate_rollout
-from furlong.run_setup import RunParts, build_run
-from furlong.signals import StopRequest
-from furlong.specs import checkpoint_paths, eval_spec, rollout_spec, sample_spec
-from furlong.train.mfu import mfu
-from furlong.train.run_checkpoint import save_run
-from furlong.train.train_samples import build_train_samples
-from furlong.train.weight_sync import sync_weights
+from furlong.run.setup import RunParts, build_run
+from furlong.launch.signals import StopRequest
+from furlong.run.specs import checkpoint_paths, eval_spec, rollout_spec, sample_spec
+from furlong.trainer.mfu import mfu
+from furlong.checkpoint.run import save_run
+from furlong.run.train_samples import build_train_samples
+from furlong.trainer.weight_sync import sync_weights
 from furlong.types import DistContext
 
 

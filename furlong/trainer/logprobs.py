@@ -69,7 +69,7 @@ def _kernels(impl: str):
     if impl == "compiled":
         return (torch.compile(_chunk_stats, dynamic=True), torch.compile(_chunk_grad, dynamic=True))
     if impl == "triton":
-        from furlong.train import logprob_kernels
+        from furlong.trainer import logprob_kernels
         return logprob_kernels.chunk_stats, logprob_kernels.chunk_grad
     raise ValueError(f"chunked_log_probs: unknown impl {impl!r} (eager, compiled, triton)")
 

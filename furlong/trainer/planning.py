@@ -16,7 +16,7 @@ trying k+1 bins: the design (docs/design.md §5) asks for the fewest micro-batch
 first-fit and balances without re-checking the cap; furlong enforces it.
 `split_across_ranks` balances all samples over ranks with KK + the same
 refinement (no cap). Everything is deterministic (ties break on sample index).
-These names are also re-exported by furlong.train.batching (the stable import path).
+These names are also re-exported by furlong.trainer.batching (the stable import path).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What the trainers (actor.py, critic.py) are built from: small typed specs, not the whole Config.
 
-furlong/specs.py is the one place these are made from the flags. A trainer reads only its
+furlong/run/specs.py is the one place these are made from the flags. A trainer reads only its
 spec, so a test or a bench builds one directly, and a change of plan (the bench's micro-batch
 size 1 comparison) is a `dataclasses.replace` of the spec.
 
@@ -12,14 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from furlong.train.batching import step_loss_weights
-from furlong.train.planning import optimizer_step_chunks, rank_micro_batches
+from furlong.trainer.batching import step_loss_weights
+from furlong.trainer.planning import optimizer_step_chunks, rank_micro_batches
 
 if TYPE_CHECKING:
     import torch
 
     from furlong.config import OptimConfig
-    from furlong.train.losses import LossParams
+    from furlong.algorithms.losses import LossParams
     from furlong.types import TrainSample
 
 

@@ -24,14 +24,14 @@ from pathlib import Path
 import torch
 
 from furlong.models.value_model import ValueModel
-from furlong.train.batching import move_micro_batch, pack_micro_batch, padding_micro_batch, response_slices
-from furlong.train.distributed import all_gather_flat
-from furlong.train.fsdp import micro_batch_sync, prepare_trainer_model, reshard_all
-from furlong.train.optimizer import build_lr_scheduler, build_optimizer
-from furlong.train.optimizer_step import finish_step
-from furlong.train.train_metrics import CriticMetrics
-from furlong.train.train_spec import CriticSpec
-from furlong.train.value_loss import ValueLossMetrics, explained_variance, value_loss
+from furlong.trainer.batching import move_micro_batch, pack_micro_batch, padding_micro_batch, response_slices
+from furlong.launch.distributed import all_gather_flat
+from furlong.trainer.fsdp import micro_batch_sync, prepare_trainer_model, reshard_all
+from furlong.trainer.optimizer import build_lr_scheduler, build_optimizer
+from furlong.trainer.optimizer_step import finish_step
+from furlong.trainer.metrics import CriticMetrics
+from furlong.trainer.spec import CriticSpec
+from furlong.algorithms.value_loss import ValueLossMetrics, explained_variance, value_loss
 from furlong.types import DistContext, MicroBatch, TrainSample
 
 

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from furlong.train.batching import move_micro_batch, pack_micro_batch
-from furlong.train.distributed import all_reduce_max
-from furlong.train.fsdp import reshard_all
+from furlong.trainer.batching import move_micro_batch, pack_micro_batch
+from furlong.launch.distributed import all_reduce_max
+from furlong.trainer.fsdp import reshard_all
 from furlong.types import TrainSample
 
 log = logging.getLogger(__name__)

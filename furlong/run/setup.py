@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from furlong.config import Config
-from furlong.metrics import MetricsLogger
-from furlong.preflight import check_inputs
-from furlong.train.distributed import barrier
-from furlong.train.fsdp import compute_dtype
+from furlong.run.metrics import MetricsLogger
+from furlong.run.preflight import check_inputs
+from furlong.launch.distributed import barrier
+from furlong.trainer.fsdp import compute_dtype
 from furlong.types import DistContext, Prompt, Sample
 
 if TYPE_CHECKING:   # the engine and trainer modules are imported when a run builds them, not at import
@@ -28,8 +28,8 @@ if TYPE_CHECKING:   # the engine and trainer modules are imported when a run bui
     from furlong.data import PromptDataset
     from furlong.engine import Engine
     from furlong.rollout.filters import GroupFilter
-    from furlong.train.actor import Actor
-    from furlong.train.critic import Critic
+    from furlong.trainer.actor import Actor
+    from furlong.trainer.critic import Critic
 
 
 def eos_token_ids(path: Path, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -80,7 +80,7 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool) -> RunParts:
     dtype = compute_dtype(device, cfg.parallel.dtype)
     engine_model = load_pretrained(ckpt, dtype=dtype, device=device)
     if resume is not None and not with_actor:   # furlong eval --load: score the trained weights
-        from furlong.train.checkpoint import load_model_weights
+        from furlong.checkpoint.store import load_model_weights
         load_model_weights(cfg.ckpt.load, engine_model, resume.iteration)
     num_params = sum(p.numel() for p in engine_model.parameters())
     r = cfg.rollout
@@ -91,14 +91,14 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool) -> RunParts:
         use_cuda_graphs=not r.rollout_enforce_eager, cascade=not r.rollout_no_cascade))
     actor = critic = None
     if with_actor:
-        from furlong.train.actor import Actor
-        from furlong.train.memory_probe import CPU_DEFAULT_TOKENS, probe_max_tokens
-        from furlong.specs import actor_spec, critic_spec
+        from furlong.trainer.actor import Actor
+        from furlong.trainer.memory_probe import CPU_DEFAULT_TOKENS, probe_max_tokens
+        from furlong.run.specs import actor_spec, critic_spec
         auto = cfg.max_tokens_per_gpu_is_auto
         actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=device), actor_spec(cfg), ctx,
                       max_tokens_per_gpu=CPU_DEFAULT_TOKENS if auto else None)
         if critic_ckpt is not None:   # before the probe, which then measures with the critic (and its AdamW state)
-            from furlong.train.critic import build_critic
+            from furlong.trainer.critic import build_critic
             critic = build_critic(critic_spec(cfg), ctx, critic_ckpt,
                                   max_tokens_per_gpu=CPU_DEFAULT_TOKENS if auto else None)
         if auto:   # measured with the engine's weights already resident, as in every later step
@@ -133,9 +133,9 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool) -> RunParts:
 
     start_rollout = 0
     if resume is not None and actor is not None:
-        from furlong.specs import checkpoint_paths
-        from furlong.train.run_checkpoint import load_run
-        from furlong.train.weight_sync import sync_weights
+        from furlong.run.specs import checkpoint_paths
+        from furlong.checkpoint.run import load_run
+        from furlong.trainer.weight_sync import sync_weights
         state = load_run(checkpoint_paths(cfg), actor, critic, dataset, resume.iteration)
         start_rollout = state.next_rollout_id
         sync_weights(actor.model, engine.model, cfg.batch.update_weight_buffer_size)

@@ -30,10 +30,10 @@ EXIT_RUN_FAILED = 1
 
 def _run_failure_types() -> tuple[type, ...]:
     """RolloutError, CiFailure and RewardError, imported only when an error is being classified."""
-    from furlong.loop import CiFailure
+    from furlong.run.loop import CiFailure
     from furlong.rewards.registry import RewardError
     from furlong.rollout.rollout import RolloutError
-    from furlong.train.checkpoint import SaveError
+    from furlong.checkpoint.store import SaveError
     return (RolloutError, CiFailure, RewardError, SaveError)
 
 
@@ -65,17 +65,17 @@ def _under_torchrun() -> bool:
 
 
 def _run_train(cfg: Config, ctx: DistContext) -> int:
-    from furlong.loop import run_rl
+    from furlong.run.loop import run_rl
     return run_rl(cfg, ctx)
 
 
 def _run_sft(cfg: Config, ctx: DistContext) -> int:
-    from furlong.sft import run_sft
+    from furlong.commands.sft import run_sft
     return run_sft(cfg, ctx)
 
 
 def _run_eval(cfg: Config, ctx: DistContext) -> int:
-    from furlong.loop import run_eval_only
+    from furlong.run.loop import run_eval_only
     return run_eval_only(cfg, ctx)
 
 
@@ -86,7 +86,7 @@ RUNS: dict[str, Callable[[Config, DistContext], int]] = {"train": _run_train, "s
 def _worker(run: Callable[[Config, DistContext], int], cfg: Config) -> int:
     """One rank: join (or form) the process group, run, leave. Errors propagate to the caller:
     cli.main in this process, or launch_local's worker wrapper in a spawned one."""
-    from furlong.train.distributed import destroy_distributed, init_distributed
+    from furlong.launch.distributed import destroy_distributed, init_distributed
     ctx = init_distributed(cfg.parallel.device)
     try:
         return run(cfg, ctx)
@@ -102,7 +102,7 @@ def launch(command: str, cfg: Config) -> int:
         raise ValueError("--actor-num-nodes: runs over several nodes are launched with "
                          "`torchrun --nnodes ... -m furlong train ...`")
     if n > 1 and not _under_torchrun():
-        from furlong.train.distributed import WorkerError, launch_local
+        from furlong.launch.distributed import WorkerError, launch_local
         try:
             return launch_local(_worker, n, run, cfg, describe=user_error)
         except WorkerError as e:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from furlong.train.losses import LossMetrics
+from furlong.algorithms.losses import LossMetrics
 
 
 @dataclass

@@ -37,7 +37,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from furlong.types import DistContext
 
 if TYPE_CHECKING:
-    from furlong.train.train_spec import ShardSpec
+    from furlong.trainer.spec import ShardSpec
 
 
 def compute_dtype(device: torch.device, dtype_flag: str = "auto") -> torch.dtype:

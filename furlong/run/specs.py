@@ -15,11 +15,11 @@ from furlong.config import Config
 from furlong.engine.sampling import SamplingParams
 from furlong.rollout.eval import EvalSpec
 from furlong.rollout.rollout import RolloutSpec
-from furlong.train.advantages import AdvantageParams
-from furlong.train.losses import LossParams
-from furlong.train.run_checkpoint import CheckpointPaths
-from furlong.train.train_samples import SampleSpec
-from furlong.train.train_spec import ActorSpec, CriticSpec, ShardSpec, StepSpec
+from furlong.algorithms.advantages import AdvantageParams
+from furlong.algorithms.losses import LossParams
+from furlong.checkpoint.run import CheckpointPaths
+from furlong.run.train_samples import SampleSpec
+from furlong.trainer.spec import ActorSpec, CriticSpec, ShardSpec, StepSpec
 
 
 def shard_spec(cfg: Config) -> ShardSpec:

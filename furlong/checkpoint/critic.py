@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from furlong.train.checkpoint import SaveError, iter_dir, load_checkpoint, save_checkpoint
+from furlong.checkpoint.store import SaveError, iter_dir, load_checkpoint, save_checkpoint
 
 
 def check_critic_resume(critic_load: str, iteration: int) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from furlong.config import Config
-from furlong.metrics import MetricsLogger, Progress, format_duration
+from furlong.run.metrics import MetricsLogger, Progress, format_duration
 from furlong.types import DistContext, TrainSample
 
 
@@ -60,9 +60,9 @@ def save_hf_checkpoint(model: torch.nn.Module, src_ckpt: Path, out_dir: str, ran
 
 def run_sft(cfg: Config, ctx: DistContext) -> int:
     from furlong.models.hf_io import load_pretrained
-    from furlong.preflight import check_hf_checkpoint
-    from furlong.specs import actor_spec
-    from furlong.train.actor import Actor
+    from furlong.run.preflight import check_hf_checkpoint
+    from furlong.run.specs import actor_spec
+    from furlong.trainer.actor import Actor
 
     ckpt, _, tokenizer = check_hf_checkpoint(cfg.data.hf_checkpoint)
     key = cfg.data.input_key if cfg.data.input_key != "input" else "messages"

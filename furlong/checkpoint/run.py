@@ -10,13 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from furlong.train.checkpoint import ResumeState, load_checkpoint, save_checkpoint
-from furlong.train.critic_checkpoint import load_critic, save_critic
+from furlong.checkpoint.store import ResumeState, load_checkpoint, save_checkpoint
+from furlong.checkpoint.critic import load_critic, save_critic
 
 if TYPE_CHECKING:
     from furlong.data import PromptDataset
-    from furlong.train.actor import Actor
-    from furlong.train.critic import Critic
+    from furlong.trainer.actor import Actor
+    from furlong.trainer.critic import Critic
 
 
 @dataclass(frozen=True)

@@ -45,8 +45,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from furlong.train.checkpoint_verify import TRACKER, iteration_path, latest_iteration, shape_mismatch
-from furlong.train.distributed import barrier
+from furlong.checkpoint.verify import TRACKER, iteration_path, latest_iteration, shape_mismatch
+from furlong.launch.distributed import barrier
 
 SLEEP_ENV = "FURLONG_CKPT_SLEEP_MID_SAVE"
 FAULT_ENV = "FURLONG_CKPT_FAULT"

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from furlong.train.advantages import AdvantageInputs, AdvantageParams, get_estimator, whiten
-from furlong.train.losses import kl_penalty
-from furlong.train.shaping import overlong_penalty
+from furlong.algorithms.advantages import AdvantageInputs, AdvantageParams, get_estimator, whiten
+from furlong.algorithms.losses import kl_penalty
+from furlong.algorithms.shaping import overlong_penalty
 from furlong.types import Group, TrainSample
 
 

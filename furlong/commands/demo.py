@@ -197,8 +197,8 @@ def sampled_evals(out: Path, data: Path, scale: DemoScale, seed: int, ctx) -> li
     the demo reports, sampled is what GRPO's reward optimizes. The run's eval flags have one
     setting for every eval set, so the sampled one scores the saved checkpoints afterwards.
     """
-    from furlong.loop import run_eval_only
-    from furlong.train.checkpoint_verify import saved_iterations
+    from furlong.run.loop import run_eval_only
+    from furlong.checkpoint.verify import saved_iterations
 
     ckpt_dir = out / "grpo_ckpt"
     scores = []
@@ -225,11 +225,11 @@ def sampled_evals(out: Path, data: Path, scale: DemoScale, seed: int, ctx) -> li
 def run_demo(output_dir: str | None = None, seed: int = 0, quick: bool = False,
              scale: DemoScale | None = None, device: str = "cpu", settings: list[str] | None = None) -> int:
     """The demo at `scale`, else the preset for `device` ("quick" with quick=True), with --set overrides."""
-    from furlong.sft import run_sft
-    from furlong.loop import run_rl
+    from furlong.commands.sft import run_sft
+    from furlong.run.loop import run_rl
     from furlong.tasks.synthetic import corpus, make_problems, plain_solution, prepare_synthetic
     from furlong.tasks.tokenizer import build_tokenizer
-    from furlong.train.distributed import destroy_distributed, init_distributed
+    from furlong.launch.distributed import destroy_distributed, init_distributed
 
     if scale is None:
         preset = "quick" if quick else {"cpu": "cpu", "cuda": "gpu"}.get(device)
@@ -294,7 +294,7 @@ def run_demo(output_dir: str | None = None, seed: int = 0, quick: bool = False,
 def _plot(run_dir: Path) -> None:
     """grpo/metrics.png, when matplotlib is there (an optional dependency)."""
     try:
-        from furlong.plot import plot_run
+        from furlong.commands.plot import plot_run
         path = plot_run(run_dir, run_dir / "metrics.png")
     except ImportError:
         return

@@ -17,8 +17,8 @@ import torch
 
 from furlong.models.hf_config import ModelArgs
 from furlong.models.hf_io import load_pretrained, save_hf
-from furlong.train.checkpoint import load_model_weights
-from furlong.train.checkpoint_verify import choose_checkpoint, shape_mismatch
+from furlong.checkpoint.store import load_model_weights
+from furlong.checkpoint.verify import choose_checkpoint, shape_mismatch
 
 log = logging.getLogger(__name__)
 

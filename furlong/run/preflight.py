@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from furlong.config import Config
-from furlong.train.checkpoint_verify import CheckpointChoice, choose_checkpoint
+from furlong.checkpoint.verify import CheckpointChoice, choose_checkpoint
 from furlong.types import Prompt, Sample
 
 if TYPE_CHECKING:   # heavy imports (transformers, the data readers) only where a run needs them
@@ -169,8 +169,8 @@ def check_critic_inputs(cfg: Config, hf_checkpoint: Path, vocab_size: int, resum
     `hf_checkpoint` unless --critic-hf-checkpoint), which must share the actor's vocabulary since
     it reads the actor's token ids; on resume, its checkpoint of the actor's iteration; --critic-save."""
     from furlong.models.hf_config import ModelArgs
-    from furlong.specs import checkpoint_paths
-    from furlong.train.critic_checkpoint import check_critic_resume
+    from furlong.run.specs import checkpoint_paths
+    from furlong.checkpoint.critic import check_critic_resume
     path, paths = hf_checkpoint, checkpoint_paths(cfg)
     if cfg.algo.critic_hf_checkpoint is not None:
         try:

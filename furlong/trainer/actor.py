@@ -34,16 +34,16 @@ from typing import Callable
 
 import torch
 
-from furlong.train.batching import (move_micro_batch, pack_micro_batch, padding_micro_batch, response_positions,
+from furlong.trainer.batching import (move_micro_batch, pack_micro_batch, padding_micro_batch, response_positions,
                                     response_slices, to_device)
-from furlong.train.optimizer_step import finish_step
-from furlong.train.distributed import all_gather_flat
-from furlong.train.fsdp import compile_enabled, micro_batch_sync, prepare_trainer_model, reshard_all
-from furlong.train.logprobs import chunked_log_probs, keep_logits_budget
-from furlong.train.losses import LossMetrics, LossParams, rl_loss, sft_loss
-from furlong.train.train_metrics import StepResult, TrainMetrics
-from furlong.train.train_spec import ActorSpec
-from furlong.train.optimizer import build_lr_scheduler, build_optimizer
+from furlong.trainer.optimizer_step import finish_step
+from furlong.launch.distributed import all_gather_flat
+from furlong.trainer.fsdp import compile_enabled, micro_batch_sync, prepare_trainer_model, reshard_all
+from furlong.trainer.logprobs import chunked_log_probs, keep_logits_budget
+from furlong.algorithms.losses import LossMetrics, LossParams, rl_loss, sft_loss
+from furlong.trainer.metrics import StepResult, TrainMetrics
+from furlong.trainer.spec import ActorSpec
+from furlong.trainer.optimizer import build_lr_scheduler, build_optimizer
 from furlong.types import DistContext, MicroBatch, TrainSample
 
 
