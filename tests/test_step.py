@@ -9,7 +9,7 @@ from furlong.config import Config
 from furlong.algorithms.advantages import AdvantageConfig, AdvantageInputs, get_estimator, whiten
 from furlong.algorithms.shaping import overlong_penalty
 from furlong.run import step
-from furlong.run.specs import step_settings
+from furlong.config_map import advantage_config, batching_config, shaping_config
 from furlong.types import Group, Prompt, Sample
 
 
@@ -17,7 +17,7 @@ class FakeActor:
     def __init__(self):
         self.calls = []
 
-    def compute_log_probs(self, samples, which: str):
+    def compute_log_probs(self, samples, steps, which: str):
         self.calls.append(which)
         shift = -0.5 if which == "old" else -0.8
         return [torch.full((s.num_response_tokens,), shift) + 0.01 * torch.arange(s.num_response_tokens)
@@ -41,13 +41,13 @@ def groups(seed=0, num=3, n=4):
 
 def build_train_samples(gs, c: Config, actor, num_optimizer_steps: int = 1):
     """The stages from rewards to advantages, in rl_step's order."""
-    settings, a = step_settings(c), c.algo
+    a, steps = c.algo, batching_config(c)
     passes = step.log_prob_passes(a.use_rollout_logprobs, a.use_kl_loss, a.kl_coef, a.skip_actor_forward_only,
                                   num_optimizer_steps)
-    samples, rewards = step.train_samples(gs, settings.shaping)
-    step.old_log_probs(samples, actor, passes.old)
-    step.ref_log_probs(samples, actor, passes.ref)
-    step.advantages(samples, rewards, settings.advantages)
+    samples, rewards = step.train_samples(gs, shaping_config(c))
+    step.old_log_probs(samples, actor, steps, passes.old)
+    step.ref_log_probs(samples, actor, steps, passes.ref)
+    step.advantages(samples, rewards, advantage_config(c))
     return samples
 
 

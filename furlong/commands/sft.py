@@ -61,7 +61,7 @@ def save_hf_checkpoint(model: torch.nn.Module, src_ckpt: Path, out_dir: str, ran
 def run_sft(cfg: Config, ctx: DistContext) -> int:
     from furlong.models.hf_io import load_pretrained
     from furlong.run.preflight import check_hf_checkpoint
-    from furlong.run.specs import actor_spec
+    from furlong.config_map import actor_config, batching_config
     from furlong.trainer.actor import Actor
 
     ckpt, _, tokenizer = check_hf_checkpoint(cfg.data.hf_checkpoint)
@@ -73,8 +73,9 @@ def run_sft(cfg: Config, ctx: DistContext) -> int:
     steps_per_epoch = len(samples) // gbs
     total = steps_per_epoch * cfg.sft.num_epoch
     torch.manual_seed(cfg.parallel.seed)
-    actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=ctx.device), actor_spec(cfg, total_steps=total),
-                  ctx, loss="sft")
+    actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=ctx.device),
+                  actor_config(cfg, total_steps=total), ctx, loss="sft")
+    steps = batching_config(cfg)
     out = Path(cfg.log.output_dir or f"runs/sft-{time.strftime('%Y%m%d-%H%M%S')}")
     logger = MetricsLogger(out, enabled=ctx.rank == 0)
     progress = Progress(total)
@@ -84,7 +85,7 @@ def run_sft(cfg: Config, ctx: DistContext) -> int:
         random.Random(cfg.parallel.seed + epoch).shuffle(order)   # same order on every rank
         for b in range(steps_per_epoch):
             batch = [samples[i] for i in order[b * gbs:(b + 1) * gbs]]
-            m = actor.train_step(batch)
+            m = actor.train_step(batch, steps)
             step += 1
             logger.log(step, {"sft/loss": m.loss, "train/grad_norm": m.grad_norm, "train/lr": m.lr,
                               "train/num_micro_batches": m.num_micro_batches,

@@ -25,6 +25,7 @@ from furlong.types import DistContext, Prompt, Sample
 if TYPE_CHECKING:   # the engine and trainer modules are imported when a run builds them, not at import
     from transformers import PreTrainedTokenizerBase
 
+    from furlong.config_map import RunConfig
     from furlong.data import PromptDataset
     from furlong.engine import Engine
     from furlong.rollout.filters import GroupFilter
@@ -50,7 +51,7 @@ def eos_token_ids(path: Path, tokenizer: PreTrainedTokenizerBase) -> list[int]:
 @dataclass
 class RunParts:
     """Everything one rank's run reads; built once by build_run, no behaviour of its own."""
-    cfg: Config
+    config: RunConfig                          # what the loop and its stages read (config_map.run_config)
     ctx: DistContext
     output_dir: Path
     logger: MetricsLogger
@@ -66,7 +67,8 @@ class RunParts:
 
 
 def build_run(cfg: Config, ctx: DistContext, with_actor: bool) -> RunParts:
-    from furlong.engine import Engine, EngineConfig
+    from furlong.config_map import actor_config, critic_config, engine_config, max_tokens_is_auto, run_config
+    from furlong.engine import Engine
     from furlong.models.hf_io import load_pretrained
 
     # 1. inputs (nothing written yet)
@@ -83,31 +85,25 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool) -> RunParts:
         from furlong.checkpoint.store import load_model_weights
         load_model_weights(cfg.ckpt.load, engine_model, resume.iteration)
     num_params = sum(p.numel() for p in engine_model.parameters())
-    r = cfg.rollout
     max_prompt_len = max(len(p.token_ids) for p in inputs.prompts())
-    engine = Engine(engine_model, tokenizer, eos_token_ids(ckpt, tokenizer), EngineConfig(
-        kv_fraction=r.rollout_kv_fraction, max_num_seqs=r.rollout_max_num_seqs,
-        decode_window=r.rollout_decode_window, max_model_len=max_prompt_len + max_resp,
-        use_cuda_graphs=not r.rollout_enforce_eager, cascade=not r.rollout_no_cascade))
+    engine = Engine(engine_model, tokenizer, eos_token_ids(ckpt, tokenizer),
+                    engine_config(cfg, max_model_len=max_prompt_len + max_resp))
+    config = run_config(cfg)
     actor = critic = None
     if with_actor:
         from furlong.trainer.actor import Actor
-        from furlong.trainer.memory_probe import CPU_DEFAULT_TOKENS, probe_max_tokens
-        from furlong.run.specs import actor_spec, critic_spec
-        auto = cfg.max_tokens_per_gpu_is_auto
-        actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=device), actor_spec(cfg), ctx,
-                      max_tokens_per_gpu=CPU_DEFAULT_TOKENS if auto else None)
+        from furlong.trainer.memory_probe import probe_max_tokens
+        actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=device), actor_config(cfg), ctx)
         if critic_ckpt is not None:   # before the probe, which then measures with the critic (and its AdamW state)
             from furlong.trainer.critic import build_critic
-            critic = build_critic(critic_spec(cfg), ctx, critic_ckpt,
-                                  max_tokens_per_gpu=CPU_DEFAULT_TOKENS if auto else None)
-        if auto:   # measured with the engine's weights already resident, as in every later step
+            critic = build_critic(critic_config(cfg), ctx, critic_ckpt)
+        if max_tokens_is_auto(cfg):   # measured with the engine's weights already resident, as in every later step
             reserved = sum(p.numel() * p.element_size() for p in engine_model.parameters())
-            actor.max_tokens_per_gpu = probe_max_tokens(actor, reserved_bytes=reserved)
-            if critic is not None:   # its activations per token are the actor's minus the log-prob chunks
-                critic.max_tokens_per_gpu = actor.max_tokens_per_gpu
+            # one budget for both trainers: the critic's activations per token are the actor's minus the
+            # log-prob chunks
+            config = config.with_max_tokens(probe_max_tokens(actor, reserved_bytes=reserved))
             if ctx.rank == 0:
-                print(f"--max-tokens-per-gpu auto: chose {actor.max_tokens_per_gpu} tokens", flush=True)
+                print(f"--max-tokens-per-gpu auto: chose {config.steps.max_tokens_per_gpu} tokens", flush=True)
 
     # 3. outputs (rank 0 writes), once every rank has passed step 1: a slow rank's check of --output-dir
     # must not find the metrics.jsonl that rank 0's logger has just opened
@@ -133,15 +129,14 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool) -> RunParts:
 
     start_rollout = 0
     if resume is not None and actor is not None:
-        from furlong.run.specs import checkpoint_paths
         from furlong.checkpoint.run import load_run
         from furlong.trainer.weight_sync import sync_weights
-        state = load_run(checkpoint_paths(cfg), actor, critic, dataset, resume.iteration)
+        state = load_run(config.checkpoint, actor, critic, dataset, resume.iteration)
         start_rollout = state.next_rollout_id
         sync_weights(actor.model, engine.model, cfg.batch.update_weight_buffer_size)
         dropped = logger.cut_back(state.rollout_id)
         logger.line(f"resumed from iteration {resume.iteration} ({state.path}; rollout {state.rollout_id + 1} "
                     f"done); {dropped} metrics line(s) after it dropped from {out / 'metrics.jsonl'}")
-    return RunParts(cfg=cfg, ctx=ctx, output_dir=out, logger=logger, dataset=dataset, eval_sets=inputs.eval_sets,
+    return RunParts(config=config, ctx=ctx, output_dir=out, logger=logger, dataset=dataset, eval_sets=inputs.eval_sets,
                     engine=engine, reward_fn=inputs.reward_fn, filter_fn=inputs.filter_fn, actor=actor,
                     start_rollout=start_rollout, num_params=num_params, critic=critic)

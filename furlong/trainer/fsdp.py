@@ -37,7 +37,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from furlong.types import DistContext
 
 if TYPE_CHECKING:
-    from furlong.trainer.spec import ShardSpec
+    from furlong.trainer.trainer_config import ShardConfig
 
 
 def compute_dtype(device: torch.device, dtype_flag: str = "auto") -> torch.dtype:
@@ -50,7 +50,7 @@ def compute_dtype(device: torch.device, dtype_flag: str = "auto") -> torch.dtype
     return table[dtype_flag]
 
 
-def prepare_trainer_model(model: nn.Module, ctx: DistContext, shard: ShardSpec) -> nn.Module:
+def prepare_trainer_model(model: nn.Module, ctx: DistContext, shard: ShardConfig) -> nn.Module:
     """A trainer's model (actor, its reference copy, critic) as `shard` says, in place: recompute
     flag, compiled layer blocks, FSDP2, and `forward_packed` routed through FSDP's unshard hooks
     (it is not `__call__`, which FSDP hooks by itself)."""
@@ -128,7 +128,7 @@ def compile_layers(model: nn.Module) -> None:
     RoPE alone took about 0.4 s of a 2 s seed train step on the H200 (BENCHMARKS.md). One graph
     rather than two around an eager attention call halves the compiled calls, guard checks and
     autograd nodes per layer: the host's work for the seed step went from ~0.6 s to 0.40-0.53 s,
-    against ~1.2 s of GPU work (BENCHMARKS.md, session 6). Only the instance's forward is replaced,
+    against ~1.2 s of GPU work (H200, BENCHMARKS.md). Only the instance's forward is replaced,
     so parameter names stay the same (no `_orig_mod.` prefix for checkpoints and weight sync) and
     FSDP's hooks run eagerly around it.
     Every layer runs the same code, so one compiled graph (per grad mode) serves all layers.

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +32,9 @@ from furlong.trainer.batching import move_micro_batch, pack_micro_batch
 from furlong.launch.distributed import all_reduce_max
 from furlong.trainer.fsdp import reshard_all
 from furlong.types import TrainSample
+
+if TYPE_CHECKING:
+    from furlong.trainer.actor import Actor
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +76,7 @@ def _probe_batch(num_tokens: int, vocab_size: int, device: torch.device):
     return move_micro_batch(pack_micro_batch([sample], [torch.full((r,), 1.0 / r)], [0]), device)
 
 
-def _measure(actor: Any, num_tokens: int) -> int:
+def _measure(actor: Actor, num_tokens: int) -> int:
     """Peak bytes of one training micro-batch and one log-prob forward of `num_tokens` tokens."""
     vocab = actor.model.output_weight.shape[0]
     mb = _probe_batch(num_tokens, vocab, actor.ctx.device)
@@ -81,7 +84,7 @@ def _measure(actor: Any, num_tokens: int) -> int:
     torch.cuda.reset_peak_memory_stats()
     positions = torch.arange(num_tokens - 1, device=actor.ctx.device)   # one prompt token: the rest is response
     logp, ent = actor._log_probs(actor.model, mb, positions, with_entropy=True)
-    loss, _ = actor.loss_fn(mb, logp, ent.detach(), actor.spec.loss)
+    loss, _ = actor.loss_fn(mb, logp, ent.detach(), actor.cfg.loss)
     loss.backward()
     with torch.no_grad():
         actor._log_probs(actor.model, mb, positions, with_entropy=False)
@@ -92,8 +95,9 @@ def _measure(actor: Any, num_tokens: int) -> int:
     return int(peak)
 
 
-def probe_max_tokens(actor: Any, reserved_bytes: int = 0) -> int:
-    """Measure on this rank and agree on the smallest budget over ranks (every rank calls)."""
+def probe_max_tokens(actor: Actor, reserved_bytes: int = 0) -> int:
+    """The budget: measured on this rank, the smallest over ranks (every rank calls). The caller puts
+    it into the run's BatchingConfig (RunConfig.with_max_tokens)."""
     if actor.ctx.device.type != "cuda":
         log.info("--max-tokens-per-gpu auto: CPU run, using the default budget of %d tokens", CPU_DEFAULT_TOKENS)
         return CPU_DEFAULT_TOKENS
