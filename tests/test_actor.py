@@ -20,7 +20,6 @@ from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
 from furlong.config import Config  # noqa: E402
 from furlong.models.hf_io import load_pretrained  # noqa: E402
-from furlong.config_checks import validate  # noqa: E402
 from furlong.config_map import actor_config, batching_config, run_config  # noqa: E402
 from furlong.run.step import log_prob_passes, old_log_probs, ref_log_probs  # noqa: E402
 from furlong.trainer.actor import Actor  # noqa: E402
@@ -165,26 +164,6 @@ def test_gradient_checkpointing_same_gradients(tiny_ckpt):
         actor.train_step(samples, batching_config(cfg))
     for n, g in grads[0].items():
         torch.testing.assert_close(grads[1][n], g, rtol=1e-5, atol=1e-8, msg=n)
-
-
-def test_reuse_flag_rejected_with_several_steps():
-    cfg = tiny_config(global_batch_size=2, skip_actor_forward_only=True, rollout_batch_size=4, hf_checkpoint="x",
-                      prompt_data="x", rm_type="math")
-    with pytest.raises(ValueError, match="--skip-actor-forward-only"):
-        validate(cfg)
-    validate(tiny_config(global_batch_size=4, skip_actor_forward_only=True, rollout_batch_size=4, hf_checkpoint="x",
-                         prompt_data="x", rm_type="math"))
-
-
-def test_log_prob_passes():
-    """Which passes a step runs: one decision from the flags and the optimizer steps per rollout."""
-    assert log_prob_passes(False, False, 0.0, None, 1).old == "training"
-    assert log_prob_passes(False, False, 0.0, None, 2).old == "forward"
-    assert log_prob_passes(False, False, 0.0, False, 1).old == "forward"
-    assert log_prob_passes(True, False, 0.0, None, 2).old == "engine"
-    assert log_prob_passes(False, True, 0.0, None, 1).ref and not log_prob_passes(False, False, 0.0, None, 1).ref
-    kl_reward = log_prob_passes(False, False, 0.1, None, 1)   # the reward's KL needs both before training
-    assert kl_reward.old == "forward" and kl_reward.ref
 
 
 # ---------------------------------------------------------------- optimizer steps

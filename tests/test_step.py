@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from furlong.config import Config
+from furlong.config_checks import validate
 from furlong.algorithms.advantages import AdvantageConfig, AdvantageInputs, get_estimator, whiten
 from furlong.algorithms.shaping import overlong_penalty
 from furlong.run import step
@@ -112,6 +113,33 @@ def test_several_optimizer_steps_take_old_log_probs_from_a_forward():
     actor = FakeActor()
     samples = build_train_samples(groups(3), cfg(), actor, num_optimizer_steps=2)
     assert actor.calls == ["old"] and all(s.old_log_probs is not None and s.ref_log_probs is None for s in samples)
+
+
+def _flags(**batch_and_algo) -> Config:
+    """A valid `furlong train` flag set (4 groups of 1 sample) with `batch_and_algo` set."""
+    c = Config()
+    c.data.hf_checkpoint, c.data.prompt_data, c.reward.rm_type, c.rollout.rollout_batch_size = "x", "x", "math", 4
+    for k, v in batch_and_algo.items():
+        setattr(c.batch if hasattr(c.batch, k) else c.algo, k, v)
+    return c
+
+
+def test_reuse_flag_rejected_with_several_steps():
+    cfg = _flags(global_batch_size=2, skip_actor_forward_only=True)
+    with pytest.raises(ValueError, match="--skip-actor-forward-only"):
+        validate(cfg)
+    validate(_flags(global_batch_size=4, skip_actor_forward_only=True))
+
+
+def test_log_prob_passes():
+    """Which passes a step runs: one decision from the flags and the optimizer steps per rollout."""
+    assert step.log_prob_passes(False, False, 0.0, None, 1).old == "training"
+    assert step.log_prob_passes(False, False, 0.0, None, 2).old == "forward"
+    assert step.log_prob_passes(False, False, 0.0, False, 1).old == "forward"
+    assert step.log_prob_passes(True, False, 0.0, None, 2).old == "engine"
+    assert step.log_prob_passes(False, True, 0.0, None, 1).ref and not step.log_prob_passes(False, False, 0.0, None, 1).ref
+    kl_reward = step.log_prob_passes(False, False, 0.1, None, 1)   # the reward's KL needs both before training
+    assert kl_reward.old == "forward" and kl_reward.ref
 
 
 def test_overlong_penalty_formula():
