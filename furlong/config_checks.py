@@ -46,6 +46,7 @@ def validate(cfg: Config, command: str = "train") -> None:
           "must be > 0 to train (log-probs divide by it)" if command == "train" else "must be >= 0")
     _need(0 < r.rollout_top_p <= 1, "--rollout-top-p", "must be in (0, 1]")
     _need(r.rollout_top_k == -1 or r.rollout_top_k >= 1, "--rollout-top-k", "must be -1 (off) or >= 1")
+    _need(all(r.rollout_stop), "--rollout-stop", "stop strings must be non-empty")
     _need(r.over_sampling_batch_size is None or r.over_sampling_batch_size >= 1, "--over-sampling-batch-size",
           "must be >= 1")
     num_gpus = p.actor_num_nodes * p.actor_num_gpus_per_node
