@@ -34,7 +34,8 @@ def _run_failure_types() -> tuple[type, ...]:
     from furlong.rewards.registry import RewardError
     from furlong.rollout.rollout import RolloutError
     from furlong.checkpoint.store import SaveError
-    return (RolloutError, CiFailure, RewardError, SaveError)
+    from furlong.trainer.memory_plan import TrainerOutOfMemory
+    return (RolloutError, CiFailure, RewardError, SaveError, TrainerOutOfMemory)
 
 
 def exit_code_for(e: BaseException) -> int | None:

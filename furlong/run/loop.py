@@ -24,6 +24,7 @@ from furlong.launch.signals import StopRequest
 from furlong.rollout.eval import run_eval
 from furlong.run.metrics import Progress, progress_line, write_samples
 from furlong.run.setup import RunParts, build_run
+from furlong.trainer.memory_plan import TrainerOutOfMemory, out_of_memory_line
 from furlong.run.step import StageClock, StepOutput, rl_step
 from furlong.trainer.mfu import mfu
 from furlong.types import DistContext
@@ -135,7 +136,10 @@ def _rollouts(parts: RunParts, ci: CiChecker, progress: Progress, stop: StopRequ
     num_rollout, eval_every, ckpt = config.num_rollout, config.eval.interval, config.checkpoint
     for rollout_id in range(parts.start_rollout, num_rollout):
         clock = StageClock()
-        step = rl_step(parts, rollout_id, clock)                     # rollout ... weight sync (run/step.py)
+        try:
+            step = rl_step(parts, rollout_id, clock)                 # rollout ... weight sync (run/step.py)
+        except torch.OutOfMemoryError as e:   # one line, not a traceback: the saved state is untouched
+            raise TrainerOutOfMemory(out_of_memory_line(clock.current, rollout_id, parts.config.steps)) from e
         if step.train is not None and rollout_id == config.num_critic_only_steps:
             ci.check_first_step_kl(step.train.ppo_kl)
         if config.save_debug_rollout_data and ctx.rank == 0:

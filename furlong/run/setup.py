@@ -92,18 +92,26 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool) -> RunParts:
     actor = critic = None
     if with_actor:
         from furlong.trainer.actor import Actor
-        from furlong.trainer.memory_probe import probe_max_tokens
         actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=device), actor_config(cfg), ctx)
         if critic_ckpt is not None:   # before the probe, which then measures with the critic (and its AdamW state)
             from furlong.trainer.critic import build_critic
             critic = build_critic(critic_config(cfg), ctx, critic_ckpt)
-        if max_tokens_is_auto(cfg):   # measured with the engine's weights already resident, as in every later step
+        if config.steps.use_dynamic_batch_size:
+            # the memory plan, measured with the engine's weights resident as in every later step: a budget
+            # that would not fit turns recompute on or is lowered, with one line, instead of an OOM in step 1
+            from furlong.trainer.memory_probe import plan_trainer_memory
             reserved = sum(p.numel() * p.element_size() for p in engine_model.parameters())
-            # one budget for both trainers: the critic's activations per token are the actor's minus the
-            # log-prob chunks
-            config = config.with_max_tokens(probe_max_tokens(actor, reserved_bytes=reserved))
-            if ctx.rank == 0:
-                print(f"--max-tokens-per-gpu auto: chose {config.steps.max_tokens_per_gpu} tokens", flush=True)
+            requested = None if max_tokens_is_auto(cfg) else config.steps.max_tokens_per_gpu
+            plan = plan_trainer_memory(actor, requested, cfg.batch.gradient_checkpointing,
+                                       min_tokens=max_prompt_len + max_resp, reserved_bytes=reserved)
+            # one budget and recompute mode for both trainers: the critic's activations per token are the
+            # actor's minus the log-prob chunks
+            config = config.with_max_tokens(plan.max_tokens_per_gpu)
+            for trainer in (actor, critic):
+                if trainer is not None:
+                    trainer.model.gradient_checkpointing = plan.gradient_checkpointing
+            if plan.note and ctx.rank == 0:
+                print(plan.note, flush=True)
 
     # 3. outputs (rank 0 writes), once every rank has passed step 1: a slow rank's check of --output-dir
     # must not find the metrics.jsonl that rank 0's logger has just opened

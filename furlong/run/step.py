@@ -74,10 +74,12 @@ class StageClock:
     def __init__(self) -> None:
         self.started = time.perf_counter()
         self.seconds: dict[str, float] = {}
+        self.current = "rollout"          # the stage last entered (an out-of-memory line names it)
 
     @contextmanager
     def stage(self, name: str):
         t = time.perf_counter()
+        self.current = name
         try:
             yield
         finally:

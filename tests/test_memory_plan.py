@@ -1,0 +1,130 @@
+"""The memory planner: budget and recompute from measured probes (pure arithmetic, CPU)."""
+from __future__ import annotations
+
+import pytest
+
+from furlong.trainer.memory_plan import MemoryBudget, MemoryPlanError, ModeProbe, largest_fit, plan_memory
+
+GiB = 2**30
+
+
+def probes(intercept_s: float = 0.05, fixed_gib: float = 40.0):
+    """A 4B-like trainer: 2.9 MiB/token without recompute, 0.9 with; recompute 1/3 slower per token."""
+    no = ModeProbe(False, (4096, 8192), (int(fixed_gib * GiB + 4096 * 2.9 * 2**20), int(fixed_gib * GiB + 8192 * 2.9 * 2**20)),
+                   (intercept_s + 4096e-5, intercept_s + 8192e-5))
+    re = ModeProbe(True, (4096, 8192), (int(fixed_gib * GiB + 4096 * 0.9 * 2**20), int(fixed_gib * GiB + 8192 * 0.9 * 2**20)),
+                   (intercept_s + 4096 * 1.33e-5, intercept_s + 8192 * 1.33e-5))
+    return {False: no, True: re}
+
+
+BUDGET = MemoryBudget(total_bytes=140 * GiB, reserved_bytes=8 * GiB, pending_bytes=20 * GiB)
+
+
+def test_affine_model_and_largest_fit():
+    p = probes()[False]
+    assert p.per_token_bytes() == pytest.approx(2.9 * 2**20)
+    assert p.peak(16384, 0) == pytest.approx(40 * GiB + 16384 * 2.9 * 2**20)
+    b = largest_fit(p, BUDGET)
+    assert b % 1024 == 0 and p.peak(b, BUDGET.pending_bytes) <= BUDGET.usable_bytes
+    assert p.peak(b + 1024, BUDGET.pending_bytes) > BUDGET.usable_bytes
+
+
+def test_budget_that_fits_is_kept_silently():
+    plan = plan_memory(probes(), BUDGET, 8192, False, min_tokens=1200)
+    assert (plan.max_tokens_per_gpu, plan.gradient_checkpointing, plan.note) == (8192, False, None)
+
+
+def test_budget_that_needs_recompute_turns_it_on():
+    # 32768 tokens: 40 + 20 + 92.8 GiB without recompute > 111 usable; 40 + 20 + 28.8 with.
+    plan = plan_memory(probes(intercept_s=0.3), BUDGET, 32768, False, min_tokens=1200)
+    assert plan.gradient_checkpointing and plan.max_tokens_per_gpu == 32768
+    assert plan.note.startswith("memory: turned --gradient-checkpointing on: 32768 tokens")
+
+
+def test_lowering_wins_when_micro_batches_are_cheap_to_split():
+    # No fixed cost per micro-batch: a smaller budget costs nothing, recompute costs a third more.
+    plan = plan_memory(probes(intercept_s=0.0), BUDGET, 32768, False, min_tokens=1200)
+    assert not plan.gradient_checkpointing and plan.max_tokens_per_gpu < 32768
+    assert "lowered --max-tokens-per-gpu to" in plan.note and "turned" not in plan.note
+
+
+def test_requested_recompute_stays_on_and_budget_is_lowered():
+    big = MemoryBudget(total_bytes=80 * GiB, reserved_bytes=8 * GiB, pending_bytes=0)
+    plan = plan_memory(probes(), big, 65536, True, min_tokens=1200)
+    assert plan.gradient_checkpointing and plan.max_tokens_per_gpu < 65536
+    assert "lowered --max-tokens-per-gpu" in plan.note
+
+
+def test_auto_picks_the_faster_mode():
+    slow_split = plan_memory(probes(intercept_s=0.5), BUDGET, None, False, min_tokens=1200)
+    assert slow_split.gradient_checkpointing   # recompute's much larger budget amortises the fixed cost
+    cheap_split = plan_memory(probes(intercept_s=0.0), BUDGET, None, False, min_tokens=1200)
+    assert not cheap_split.gradient_checkpointing
+    assert cheap_split.note.startswith("--max-tokens-per-gpu auto:")
+    forced = plan_memory(probes(intercept_s=0.0), BUDGET, None, True, min_tokens=1200)
+    assert forced.gradient_checkpointing
+
+
+def test_longest_sample_bounds_the_budget_and_nothing_fitting_names_flags():
+    tiny = MemoryBudget(total_bytes=80 * GiB, reserved_bytes=8 * GiB, pending_bytes=0)
+    with pytest.raises(MemoryPlanError, match=r"^--max-tokens-per-gpu: .*--fsdp-cpu-offload.*--lora-rank"):
+        plan_memory(probes(fixed_gib=70), tiny, 32768, False, min_tokens=4096)
+    # fits only below the longest sample: refused too, never a budget a sample cannot fit in
+    with pytest.raises(MemoryPlanError):
+        plan_memory(probes(fixed_gib=60), tiny, None, False, min_tokens=9000)
+
+
+# ------------------------------------------------------------------ wiring: the probe's plan, the OOM line
+
+def test_trainer_plan_with_injected_probes_on_cpu(tmp_path):
+    """plan_trainer_memory on a real (CPU) actor: pending AdamW bytes come from its trainable parameters,
+    and a budget that needs recompute turns it on."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_actor import tiny_config  # noqa: E402
+    from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
+
+    from furlong.config_map import actor_config
+    from furlong.launch.distributed import init_distributed
+    from furlong.models.hf_io import load_pretrained
+    from furlong.trainer.actor import Actor
+    from furlong.trainer.memory_probe import plan_trainer_memory
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", vocab_size=128, hidden=32, layers=2, heads=2, kv_heads=1)
+    actor = Actor(load_pretrained(ckpt), actor_config(tiny_config(use_dynamic_batch_size=True)), init_distributed("cpu"))
+    assert plan_trainer_memory(actor, 4096, False, min_tokens=100).note is None   # CPU, nothing measured
+    plan = plan_trainer_memory(actor, 32768, False, min_tokens=1200, probes=probes(intercept_s=0.5),
+                               total_bytes=140 * GiB, reserved_bytes=8 * GiB)
+    assert plan.gradient_checkpointing and plan.max_tokens_per_gpu == 32768
+    assert "turned --gradient-checkpointing on" in plan.note
+
+
+def test_out_of_memory_in_a_step_is_one_line_and_keeps_the_checkpoint(tmp_path, capsys, monkeypatch):
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import torch
+    from test_cli import assets as _assets  # noqa: F401,E402
+    from test_cli import run_cli, train_flags  # noqa: E402
+    from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
+
+    from furlong.run import loop
+    from furlong.tasks.synthetic import prepare_synthetic
+    a = tmp_path / "a"
+    write_tiny_checkpoint(a / "ckpt", vocab_size=128, hidden=32, layers=2, heads=2, kv_heads=1)
+    prepare_synthetic(a / "data", 8, 2, 0)
+    save = tmp_path / "ck"
+    code, _, err = run_cli(train_flags(a, tmp_path / "out", "--num-rollout", "1", "--save", str(save)), capsys)
+    assert code == 0, err
+    before = sorted(p.name for p in save.iterdir())
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    monkeypatch.setattr(loop, "rl_step", oom)
+    code, _, err = run_cli(train_flags(a, tmp_path / "out", "--num-rollout", "2", "--save", str(save),
+                                       "--load", str(save)), capsys)
+    assert code == 1
+    line = err.strip().splitlines()[-1]
+    assert "out of memory in the rollout stage of rollout 2" in line and "--max-tokens-per-gpu" in line
+    assert "Traceback" not in err
+    assert sorted(p.name for p in save.iterdir()) == before
