@@ -158,6 +158,9 @@ class ParallelFlags:
     device: str = flag("auto", "auto | cpu | cuda")
     dtype: str = flag("auto", "compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32")
     torch_compile: str = flag("auto", "compile the trainer's decoder layers and log-prob kernels: auto (on CUDA) | on | off")
+    fsdp_cpu_offload: bool = flag(False, "fp32 master weights, gradients and AdamW state in CPU memory (FSDP2 CPU "
+                                  "offload): trains models whose optimizer state does not fit the GPU; the "
+                                  "optimizer step runs on the CPU")
     fsdp_reshard_after_forward: bool = flag(
         False, "free each layer's gathered weights after its forward and re-gather them in backward and for "
                "every micro-batch (saves one compute-dtype copy of the model per rank; slower)")

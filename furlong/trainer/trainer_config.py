@@ -31,6 +31,9 @@ class ShardConfig:
     # False: a layer's gathered weights stay from its first forward of an optimizer step to the step's
     # last backward (fsdp.micro_batch_sync); True: FSDP's default, gathered again in every backward
     reshard_after_forward: bool
+    # --fsdp-cpu-offload: fp32 master shards, their gradients and AdamW state in CPU memory; layers are
+    # copied to the GPU for their forward/backward and the optimizer step runs on the CPU
+    cpu_offload: bool = False
 
 
 @dataclass(frozen=True)
