@@ -77,6 +77,10 @@ def validate(cfg: Config, command: str = "train") -> None:
           f"the reward KL penalty applies to reinforce_plus_plus*, not {a.advantage_estimator} "
           "(use --use-kl-loss --kl-loss-coef)")
     _need(0 <= a.tis_clip_low <= a.tis_clip, "--tis-clip-low", "must be in [0, --tis-clip]")
+    # TIS weighs by exp(old - rollout); old IS the rollout's log-probs under --use-rollout-logprobs,
+    # so every weight would be exactly 1 and the flag would do nothing (miles refuses the pair too).
+    _need(not (a.use_tis and a.use_rollout_logprobs), "--use-tis",
+          "has no effect with --use-rollout-logprobs (old log-probs are the rollout's, so every weight is 1)")
     _need(a.value_clip > 0, "--value-clip", "must be > 0")
     _need(a.critic_lr is None or a.critic_lr >= 0, "--critic-lr", "must be >= 0")
     _need(a.critic_lr_warmup_iters >= 0, "--critic-lr-warmup-iters", "must be >= 0")
