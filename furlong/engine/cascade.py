@@ -65,7 +65,8 @@ def cascade_members(num_heads: int, num_kv_heads: int) -> int:
 def plan_groups(seqs: list[Sequence], members: int, min_prefix: int = 1, max_groups: int | None = None
                 ) -> GroupPlan:
     """The groups of the decode rows `seqs`: groups of 2..members rows whose shared prompt has at least
-    `min_prefix` tokens, at most `max_groups` of them (the largest first); rows left out read their whole context themselves."""
+    `min_prefix` tokens, at most `max_groups` of them (the largest first); rows left out read their whole
+    context themselves."""
     by_request: dict[int, list[int]] = {}
     for row, s in enumerate(seqs):
         if s.num_preemptions == 0 and s.num_prompt_tokens >= min_prefix:
