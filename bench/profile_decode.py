@@ -97,7 +97,7 @@ def main() -> None:
         per_kernel[e.key] += us / 4 / 1000
     total = sum(per_kind.values())
     res = {"batch": a.batch, "context": a.context, "prompt": prompt_len, "group": a.group,
-           "grouped_rows": sum(1 for p in plan_groups(seqs, runner.members)[0] if p > 0),
+           "grouped_rows": sum(1 for p in plan_groups(seqs, runner.members).prefix_lens if p > 0),
            "graphed_step_ms": sorted(graphed[runner.cascade])[1], "graphed_step_ms_cascade": graphed[True],
            "graphed_step_ms_no_cascade": graphed[False], "profiled_cascade": runner.cascade,
            "kernel_ms_per_step": total,
