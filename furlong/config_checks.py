@@ -130,6 +130,9 @@ def validate(cfg: Config, command: str = "train") -> None:
               "(--rollout-batch-size x --n-samples-per-prompt)")
         _need(b.num_steps_per_rollout is None or kept % b.num_steps_per_rollout == 0, "--num-steps-per-rollout",
               f"{b.num_steps_per_rollout} does not divide the {kept} samples of a rollout")
+        num_steps = b.num_steps_per_rollout or (max(kept // b.global_batch_size, 1) if b.global_batch_size else 1)
+        _need(not a.skip_actor_forward_only or num_steps == 1, "--skip-actor-forward-only",
+              f"only exact with one optimizer step per rollout (this run takes {num_steps})")
     if cfg.log.use_tensorboard:
         import importlib.util
         _need(importlib.util.find_spec("tensorboard") is not None, "--use-tensorboard",

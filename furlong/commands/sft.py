@@ -41,9 +41,9 @@ def sft_samples(path_spec: str, tokenizer, input_key: str, max_len: int) -> list
         num_r = len(ids) - len(p_ids)
         if num_r <= 0:
             raise DataError(f"{path_spec}: row {r.row + 1}: prompt fills --sft-max-len {max_len}")
-        zeros = torch.zeros(num_r)
+        zeros = torch.zeros(num_r)   # the cross-entropy reads neither advantages nor log-probs
         out.append(TrainSample(token_ids=torch.tensor(ids, dtype=torch.long), num_prompt_tokens=len(p_ids),
-                               advantages=zeros, rollout_log_probs=zeros, old_log_probs=zeros))
+                               advantages=zeros, rollout_log_probs=zeros))
     return out
 
 
