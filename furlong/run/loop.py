@@ -19,6 +19,7 @@ from furlong.run.metrics import Progress, progress_line, write_samples
 from furlong.rollout.eval import run_eval
 from furlong.rollout.rollout import RolloutBatch, RolloutSpec, generate_rollout
 from furlong.run.setup import RunParts, build_run
+from furlong.launch.failure import Position
 from furlong.launch.signals import StopRequest
 from furlong.run.specs import checkpoint_paths, eval_spec, rollout_spec, sample_spec
 from furlong.trainer.mfu import mfu
@@ -91,7 +92,9 @@ def _save(parts: RunParts, rollout_id: int) -> None:
     parts.logger.line(f"saved checkpoint {path} (after rollout {rollout_id + 1})")
 
 
-def run_rl(cfg: Config, ctx: DistContext) -> int:
+def run_rl(cfg: Config, ctx: DistContext, position: Position | None = None) -> int:
+    """`position`: where this rank is (launch/failure.py names it if the run fails); a fresh one if None."""
+    position = position or Position(rank=ctx.rank)
     parts = build_run(cfg, ctx, with_actor=True)   # validates every input before anything is written
     logger = parts.logger
     ci = CiChecker(cfg.log.ci_metric_checker_key if cfg.log.ci_test else None,
@@ -108,13 +111,14 @@ def run_rl(cfg: Config, ctx: DistContext) -> int:
         logger.line("[eval before training] " + " | ".join(f"{k} {v:.3f}" for k, v in m.items()))
 
     with StopRequest() as stop:
-        code = _rollouts(parts, ci, progress, stop)
+        code = _rollouts(parts, ci, progress, stop, position)
     if code:
         logger.close()
         return code
     if cfg.ckpt.save is not None and num_rollout > parts.start_rollout and not (
             cfg.ckpt.save_interval and num_rollout % cfg.ckpt.save_interval == 0):
-        _save(parts, num_rollout - 1)   # always leave the final state on disk
+        with position.stage("save", num_rollout - 1):
+            _save(parts, num_rollout - 1)   # always leave the final state on disk
     logger.close()
     ci.final()
     return 0
@@ -139,34 +143,35 @@ class PhaseClock:
         return time.perf_counter() - self.started
 
 
-def _rollouts(parts: RunParts, ci: "CiChecker", progress: Progress, stop: StopRequest) -> int:
+def _rollouts(parts: RunParts, ci: "CiChecker", progress: Progress, stop: StopRequest, position: Position) -> int:
     """The RL steps; 0, or 128 + signal when a SIGINT/SIGTERM stopped the run after a whole step."""
     cfg, ctx, actor, critic, logger = parts.cfg, parts.ctx, parts.actor, parts.critic, parts.logger
     num_rollout, eval_every = cfg.rollout.num_rollout, cfg.eval.eval_interval
     spec, shaping = rollout_spec(cfg), sample_spec(cfg)
     for rollout_id in range(parts.start_rollout, num_rollout):
         clock = PhaseClock()
-        batch = _rollout(parts, spec, rollout_id)
-        with clock("perf/log_probs_time"):
+        with position.stage("rollout", rollout_id):
+            batch = _rollout(parts, spec, rollout_id)
+        with clock("perf/log_probs_time"), position.stage("log_probs", rollout_id):
             # advantages, old/ref log-probs; with a critic (ppo) its values and the returns
             samples = build_train_samples(batch.groups, shaping, actor, critic)
         metrics = batch.metrics.as_log()
         if critic is not None:   # miles' order: the critic trains first, on the values GAE used
-            with clock("perf/critic_train_time"):
+            with clock("perf/critic_train_time"), position.stage("critic", rollout_id):
                 metrics.update(critic.train_step(samples).to_log())
         # --num-critic-only-steps: the first rollouts warm the critic up while the actor stays frozen
         if rollout_id >= cfg.algo.num_critic_only_steps:
-            with clock("perf/actor_train_time"):
+            with clock("perf/actor_train_time"), position.stage("train", rollout_id):
                 tm = actor.train_step(samples)
             if rollout_id == cfg.algo.num_critic_only_steps:
                 ci.check_first_step_kl(tm.ppo_kl)
-            with clock("perf/update_weights_time"):
+            with clock("perf/update_weights_time"), position.stage("sync", rollout_id):
                 sync_weights(actor.model, parts.engine.model, cfg.batch.update_weight_buffer_size)
             metrics.update(tm.to_log())
         if cfg.log.save_debug_rollout_data and ctx.rank == 0:
             write_samples(parts.output_dir, "train", rollout_id, batch.samples, prefix="rollout")
         if eval_every is not None and parts.eval_sets and (rollout_id + 1) % eval_every == 0:
-            with clock("perf/eval_time"):
+            with clock("perf/eval_time"), position.stage("eval", rollout_id):
                 m = _run_evals(parts, rollout_id)
             ci.observe(m)
             metrics.update(m)
@@ -188,7 +193,8 @@ def _rollouts(parts: RunParts, ci: "CiChecker", progress: Progress, stop: StopRe
         logger.line(progress_line(rollout_id, num_rollout, metrics, progress.eta(rollout_id + 1)))
         saved = cfg.ckpt.save is not None and cfg.ckpt.save_interval and (rollout_id + 1) % cfg.ckpt.save_interval == 0
         if saved:
-            _save(parts, rollout_id)
+            with position.stage("save", rollout_id):
+                _save(parts, rollout_id)
         signum = stop.agreed(ctx.world_size, ctx.device)
         if signum:
             if cfg.ckpt.save is not None and not saved:
