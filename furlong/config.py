@@ -158,6 +158,10 @@ class ParallelConfig:
         False, "free each layer's gathered weights after its forward and re-gather them in backward and for "
                "every micro-batch (saves one compute-dtype copy of the model per rank; slower)")
     seed: int = flag(1234, "trainer seed")
+    distributed_timeout_minutes: int = flag(10, "minutes any collective (and the rendezvous) may wait for a peer "
+                                            "before the run stops with one line naming it")
+    use_fault_tolerance: bool = flag(False, "resume by itself: --load defaults to --save, so workers that "
+                                     "torchrun restarts (--max-restarts N) continue from the last checkpoint")
 
 
 @dataclass

@@ -116,6 +116,12 @@ def validate(cfg: Config, command: str = "train") -> None:
     _need(p.actor_num_gpus_per_node >= 1, "--actor-num-gpus-per-node", "must be >= 1")
     _need(p.actor_num_nodes >= 1, "--actor-num-nodes", "must be >= 1")
     _need(p.device in ("auto", "cpu", "cuda"), "--device", f"unknown device {p.device!r}")
+    _need(p.distributed_timeout_minutes >= 1, "--distributed-timeout-minutes", "must be >= 1")
+    _need(not p.use_fault_tolerance or cfg.ckpt.save is not None, "--use-fault-tolerance",
+          "needs --save (a restarted worker resumes from the run's last checkpoint there)")
+    _need(not p.use_fault_tolerance or cfg.ckpt.load in (None, cfg.ckpt.save) and cfg.ckpt.ckpt_step is None,
+          "--use-fault-tolerance", "resumes from --save's latest checkpoint: leave --load unset (or equal to "
+          "--save) and --ckpt-step unset")
     _need(p.dtype in ("auto", "bf16", "fp32"), "--dtype", f"unknown dtype {p.dtype!r}")
     _need(p.torch_compile in ("auto", "on", "off"), "--torch-compile", f"expected auto, on or off, got {p.torch_compile!r}")
     _need(cfg.ckpt.save_interval is None or cfg.ckpt.save is not None, "--save-interval", "needs --save")

@@ -17,6 +17,7 @@ from furlong.config import Config
 from furlong.run.metrics import Progress, progress_line, write_samples
 from furlong.rollout.eval import run_eval
 from furlong.run.setup import RunParts, build_run
+from furlong.launch.failure import Position
 from furlong.launch.signals import StopRequest
 from furlong.run.specs import checkpoint_paths, eval_spec, step_settings
 from furlong.run.step import StageClock, rl_step
@@ -80,7 +81,9 @@ def _save(parts: RunParts, rollout_id: int) -> None:
     parts.logger.line(f"saved checkpoint {path} (after rollout {rollout_id + 1}, {time.perf_counter() - t:.1f}s)")
 
 
-def run_rl(cfg: Config, ctx: DistContext) -> int:
+def run_rl(cfg: Config, ctx: DistContext, position: Position | None = None) -> int:
+    """`position`: where this rank is (launch/failure.py names it if the run fails); a fresh one if None."""
+    position = position or Position(rank=ctx.rank)
     parts = build_run(cfg, ctx, with_actor=True)   # validates every input before anything is written
     logger = parts.logger
     ci = CiChecker(cfg.log.ci_metric_checker_key if cfg.log.ci_test else None,
@@ -97,25 +100,26 @@ def run_rl(cfg: Config, ctx: DistContext) -> int:
         logger.line("[eval before training] " + " | ".join(f"{k} {v:.3f}" for k, v in m.items()))
 
     with StopRequest() as stop:
-        code = _rollouts(parts, ci, progress, stop)
+        code = _rollouts(parts, ci, progress, stop, position)
     if code:
         logger.close()
         return code
     if cfg.ckpt.save is not None and num_rollout > parts.start_rollout and not (
             cfg.ckpt.save_interval and num_rollout % cfg.ckpt.save_interval == 0):
-        _save(parts, num_rollout - 1)   # always leave the final state on disk
+        with position.stage("save", num_rollout - 1):
+            _save(parts, num_rollout - 1)   # always leave the final state on disk
     logger.close()
     ci.final()
     return 0
 
 
-def _rollouts(parts: RunParts, ci: "CiChecker", progress: Progress, stop: StopRequest) -> int:
+def _rollouts(parts: RunParts, ci: "CiChecker", progress: Progress, stop: StopRequest, position: Position) -> int:
     """The RL steps; 0, or 128 + signal when a SIGINT/SIGTERM stopped the run after a whole step."""
     cfg, ctx, logger = parts.cfg, parts.ctx, parts.logger
     num_rollout, eval_every = cfg.rollout.num_rollout, cfg.eval.eval_interval
     settings = step_settings(cfg)
     for rollout_id in range(parts.start_rollout, num_rollout):
-        clock = StageClock()
+        clock = StageClock(position, rollout_id)
         step = rl_step(parts, settings, rollout_id, clock)    # rollout ... weight sync (run/step.py)
         metrics = step.metrics
         if step.train is not None and rollout_id == cfg.algo.num_critic_only_steps:
@@ -146,11 +150,13 @@ def _rollouts(parts: RunParts, ci: "CiChecker", progress: Progress, stop: StopRe
         logger.line(progress_line(rollout_id, num_rollout, metrics, progress.eta(rollout_id + 1)))
         saved = cfg.ckpt.save is not None and cfg.ckpt.save_interval and (rollout_id + 1) % cfg.ckpt.save_interval == 0
         if saved:
-            _save(parts, rollout_id)
+            with position.stage("save", rollout_id):
+                _save(parts, rollout_id)
         signum = stop.agreed(ctx.world_size, ctx.device)
         if signum:
             if cfg.ckpt.save is not None and not saved:
-                _save(parts, rollout_id)
+                with position.stage("save", rollout_id):
+                    _save(parts, rollout_id)
             logger.line(f"furlong: stopped by signal {signum} after rollout {rollout_id + 1}/{num_rollout}"
                         + (f"; resume with --load {cfg.ckpt.save}" if cfg.ckpt.save is not None else ""))
             return 128 + signum

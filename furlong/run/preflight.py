@@ -91,6 +91,16 @@ def default_output_dir(cfg: Config) -> Path:
     return Path(cfg.log.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
 
 
+def nothing_saved_yet(cfg: Config) -> bool:
+    """--load is the run's own --save and holds no checkpoint yet: the run starts fresh (the first launch
+    of a run that torchrun may restart with the same command; Megatron/miles start fresh from an empty
+    --load too). Any other --load without a checkpoint is refused."""
+    from furlong.checkpoint.verify import TRACKER
+    c = cfg.ckpt
+    return (c.load is not None and c.save is not None and c.ckpt_step is None
+            and Path(c.load).resolve() == Path(c.save).resolve() and not (Path(c.load) / TRACKER).exists())
+
+
 @dataclass
 class CheckedInputs:
     """A run's inputs after every check; nothing has been written yet."""
@@ -144,7 +154,7 @@ def check_inputs(cfg: Config, with_actor: bool) -> CheckedInputs:
     reward_fn = TimedReward(get_reward_fn(cfg.reward.rm_type, cfg.reward.custom_rm_path), cfg.reward.reward_timeout)
     filter_fn = load_filter(cfg.rollout.dynamic_sampling_filter_path)
     resume = None
-    if cfg.ckpt.load is not None:
+    if cfg.ckpt.load is not None and not nothing_saved_yet(cfg):
         resume = choose_checkpoint(cfg.ckpt.load, cfg.ckpt.ckpt_step, param_shapes(args))
         if with_actor and resume.iteration > cfg.rollout.num_rollout:
             raise ValueError(f"--num-rollout: {cfg.rollout.num_rollout} is below the {resume.iteration} rollouts "

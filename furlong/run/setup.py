@@ -115,7 +115,10 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool) -> RunParts:
     logger_enabled = ctx.rank == 0
     if logger_enabled:
         out.mkdir(parents=True, exist_ok=True)
-        if cfg.log.overwrite and cfg.ckpt.load is None and (out / "metrics.jsonl").exists():
+        # a fresh start under --load (nothing saved yet: preflight.nothing_saved_yet) drops the lines of the
+        # attempt that died before its first save, so each rollout is logged once
+        fresh_restart = cfg.ckpt.load is not None and resume is None and with_actor
+        if (cfg.log.overwrite and cfg.ckpt.load is None or fresh_restart) and (out / "metrics.jsonl").exists():
             (out / "metrics.jsonl").unlink()
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
     wandb = None
