@@ -115,6 +115,7 @@ def _build_parser() -> _Parser:
     sc.add_argument("--response-key", default="response")
     sc.add_argument("--label-key", default="label")
     sc.add_argument("--output", default=None)
+    sc.add_argument("--overwrite", action="store_true")
     d = sub.add_parser("demo", help="tiny end-to-end demo: SFT then GRPO on synthetic arithmetic")
     d.add_argument("--output-dir", default=None)
     d.add_argument("--seed", type=int, default=0)
@@ -137,6 +138,8 @@ def _build_parser() -> _Parser:
     e.add_argument("--output", required=True)
     e.add_argument("--hf-checkpoint", default=None,
                    help="the original checkpoint (config and tokenizer); default: the one the checkpoint records")
+    e.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty --output, replacing its checkpoint files (other files are kept)")
     return p
 
 
@@ -169,7 +172,8 @@ def _run(argv: list[str]) -> int:
         return 0
     if args.command == "score":
         from furlong.rewards.offline import run_score
-        rep = run_score(args.input, args.rm_type, args.response_key, args.label_key, args.output)
+        rep = run_score(args.input, args.rm_type, args.response_key, args.label_key, args.output,
+                        overwrite=args.overwrite)
         print(f"score: {rep.num_correct}/{rep.num_rows} correct, accuracy {100 * rep.accuracy:.1f}%")
         return 0
     if args.command == "demo":
@@ -185,7 +189,7 @@ def _run(argv: list[str]) -> int:
         return 0
     if args.command == "export":
         from furlong.commands.export import export_hf
-        export_hf(args.load, args.output, args.hf_checkpoint, ckpt_step=args.ckpt_step)
+        export_hf(args.load, args.output, args.hf_checkpoint, ckpt_step=args.ckpt_step, overwrite=args.overwrite)
         print(f"export: wrote {args.output}")
         return 0
     raise UsageError(f"furlong: unknown command {args.command!r}")

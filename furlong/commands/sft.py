@@ -55,7 +55,29 @@ def save_hf_checkpoint(model: torch.nn.Module, src_ckpt: Path, out_dir: str, ran
     from furlong.models.hf_io import save_hf
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
-        save_hf(sd, ModelArgs.from_dir(src_ckpt), out_dir, tokenizer_src=src_ckpt)
+        try:
+            save_hf(sd, ModelArgs.from_dir(src_ckpt), out_dir, tokenizer_src=src_ckpt)
+        except OSError as e:   # disk full, read-only: one line; the target holds what it held before
+            from furlong.checkpoint.store import SaveError
+            raise SaveError(f"--save: writing {out_dir} failed ({e.strerror or e})") from e
+
+
+def check_sft_outputs(cfg: Config, hf_checkpoint: Path) -> Path:
+    """The run directory, after train's rules (a directory holding a run's metrics.jsonl is refused
+    unless --overwrite), and --save checked as an output target (safe_paths); nothing is written."""
+    from furlong.data import parse_path_spec
+    from furlong.run.preflight import check_writable
+    from furlong.safe_paths import check_dir_target
+    out = Path(cfg.log.output_dir or f"runs/sft-{time.strftime('%Y%m%d-%H%M%S')}")
+    check_writable(out, "--output-dir")
+    if (out / "metrics.jsonl").exists() and not cfg.log.overwrite:
+        raise ValueError(f"--output-dir: {out} already holds a run (metrics.jsonl); pass --overwrite to replace it "
+                         "or choose another directory")
+    if cfg.ckpt.save is not None:
+        check_dir_target(cfg.ckpt.save, "--save", {"--hf-checkpoint": hf_checkpoint,
+                                                   "--prompt-data": parse_path_spec(cfg.data.prompt_data)[0]},
+                         cfg.log.overwrite)
+    return out
 
 
 def run_sft(cfg: Config, ctx: DistContext) -> int:
@@ -67,6 +89,7 @@ def run_sft(cfg: Config, ctx: DistContext) -> int:
     ckpt, _, tokenizer = check_hf_checkpoint(cfg.data.hf_checkpoint)
     key = cfg.data.input_key if cfg.data.input_key != "input" else "messages"
     samples = sft_samples(cfg.data.prompt_data, tokenizer, key, cfg.sft.sft_max_len)
+    out = check_sft_outputs(cfg, ckpt)   # before training: a bad target must not cost the run
     gbs = min(cfg.batch.global_batch_size or len(samples), len(samples))
     # the actor splits each step by the batch it is handed: give it the clamped size, not the flag's
     cfg = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, global_batch_size=gbs))
@@ -75,7 +98,10 @@ def run_sft(cfg: Config, ctx: DistContext) -> int:
     torch.manual_seed(cfg.parallel.seed)
     actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=ctx.device), actor_spec(cfg, total_steps=total),
                   ctx, loss="sft")
-    out = Path(cfg.log.output_dir or f"runs/sft-{time.strftime('%Y%m%d-%H%M%S')}")
+    from furlong.launch.distributed import barrier
+    barrier()   # every rank has checked the run directory before rank 0 writes into it
+    if ctx.rank == 0 and cfg.log.overwrite and (out / "metrics.jsonl").exists():
+        (out / "metrics.jsonl").unlink()   # --overwrite starts the metrics over (train's rule)
     logger = MetricsLogger(out, enabled=ctx.rank == 0)
     progress = Progress(total)
     step = 0

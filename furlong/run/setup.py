@@ -17,6 +17,7 @@ import torch
 
 from furlong.config import Config
 from furlong.run.metrics import MetricsLogger
+from furlong.run.identity import prepare_run_dirs, run_record
 from furlong.run.preflight import check_inputs
 from furlong.launch.distributed import barrier
 from furlong.trainer.fsdp import compute_dtype
@@ -114,10 +115,8 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool) -> RunParts:
     barrier()
     logger_enabled = ctx.rank == 0
     if logger_enabled:
-        out.mkdir(parents=True, exist_ok=True)
-        if cfg.log.overwrite and cfg.ckpt.load is None and (out / "metrics.jsonl").exists():
-            (out / "metrics.jsonl").unlink()
-        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
+        prepare_run_dirs(inputs.run_dirs)   # --overwrite's clearing, and the run id in each directory
+        (out / "config.json").write_text(json.dumps(run_record(cfg, inputs.run_dirs.run_id), indent=1, default=str))
     wandb = None
     if cfg.log.use_wandb and logger_enabled:
         if cfg.log.wandb_key:
