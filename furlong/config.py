@@ -30,7 +30,7 @@ class DataConfig:
     label_key: str | None = flag(None, "column holding the label")
     apply_chat_template: bool = flag(False, "format prompts with the tokenizer's chat template")
     rollout_shuffle: bool = flag(False, "shuffle prompts each epoch (seeded by --rollout-seed)")
-    rollout_seed: int = flag(42, "seed for prompt shuffling and sampling")
+    rollout_seed: int | None = flag(None, "seed for prompt shuffling and sampling (default: --seed)")
     rollout_max_prompt_len: int | None = flag(None, "drop prompts longer than this many tokens")
 
 
@@ -132,6 +132,8 @@ class OptimConfig:
     adam_beta2: float = flag(0.95, "Adam beta2")
     adam_eps: float = flag(1e-8, "Adam epsilon")
     clip_grad: float = flag(1.0, "gradient norm clip (0: off)")
+    max_nonfinite_skips: int = flag(5, "stop the run after this many optimizer steps in a row were skipped for a "
+                                       "non-finite gradient norm (0: never; furlong only, miles has no such stop)")
 
 
 @dataclass
@@ -157,7 +159,8 @@ class ParallelConfig:
     fsdp_reshard_after_forward: bool = flag(
         False, "free each layer's gathered weights after its forward and re-gather them in backward and for "
                "every micro-batch (saves one compute-dtype copy of the model per rank; slower)")
-    seed: int = flag(1234, "trainer seed")
+    seed: int = flag(1234, "seeds every random draw: python, numpy and torch, and the rollout's sampling and "
+                           "prompt order unless --rollout-seed is given")
 
 
 @dataclass
@@ -235,6 +238,11 @@ class Config:
     def over_sampling_batch_size(self) -> int:
         o = self.rollout.over_sampling_batch_size
         return self.rollout.rollout_batch_size if o is None else o
+
+    @property
+    def rollout_seed(self) -> int:
+        """--rollout-seed, falling back to --seed (so --seed alone decides every draw)."""
+        return self.parallel.seed if self.data.rollout_seed is None else self.data.rollout_seed
 
     def eval_sampling(self) -> EvalSampling:
         """Eval sampling settings, each falling back to the rollout's."""

@@ -17,6 +17,8 @@ import torch
 
 from furlong.config import Config
 from furlong.run.metrics import MetricsLogger, Progress, format_duration
+from furlong.seeding import seed_everything
+from furlong.trainer.nonfinite import NonFiniteGuard
 from furlong.types import DistContext, TrainSample
 
 
@@ -95,7 +97,7 @@ def run_sft(cfg: Config, ctx: DistContext) -> int:
     cfg = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, global_batch_size=gbs))
     steps_per_epoch = len(samples) // gbs
     total = steps_per_epoch * cfg.sft.num_epoch
-    torch.manual_seed(cfg.parallel.seed)
+    seed_everything(cfg.parallel.seed)
     actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=ctx.device), actor_spec(cfg, total_steps=total),
                   ctx, loss="sft")
     from furlong.launch.distributed import barrier
@@ -105,6 +107,7 @@ def run_sft(cfg: Config, ctx: DistContext) -> int:
     logger = MetricsLogger(out, enabled=ctx.rank == 0)
     progress = Progress(total)
     step = 0
+    skips = NonFiniteGuard(cfg.optim.max_nonfinite_skips)
     for epoch in range(cfg.sft.num_epoch):
         order = list(range(len(samples)))
         random.Random(cfg.parallel.seed + epoch).shuffle(order)   # same order on every rank
@@ -115,6 +118,7 @@ def run_sft(cfg: Config, ctx: DistContext) -> int:
             logger.log(step, {"sft/loss": m.loss, "train/grad_norm": m.grad_norm, "train/lr": m.lr,
                               "train/num_micro_batches": m.num_micro_batches,
                               "perf/actor_train_tok_per_s": m.num_tokens / max(m.seconds, 1e-9)}, kind="sft")
+            skips.observe(m.num_steps, m.num_skipped_steps, f"sft step {step}")   # after its line is logged
             if ctx.rank == 0 and (step % 10 == 0 or step == total):
                 print(f"[sft {step}/{total} epoch {epoch + 1}] loss {m.loss:.4f} | lr {m.lr:.2e} | "
                       f"{m.num_tokens / max(m.seconds, 1e-9):.0f} tok/s | ETA {format_duration(progress.eta(step))}",

@@ -34,7 +34,8 @@ def _run_failure_types() -> tuple[type, ...]:
     from furlong.rewards.registry import RewardError
     from furlong.rollout.rollout import RolloutError
     from furlong.checkpoint.store import SaveError
-    return (RolloutError, CiFailure, RewardError, SaveError)
+    from furlong.trainer.nonfinite import NonFiniteError
+    return (RolloutError, CiFailure, RewardError, SaveError, NonFiniteError)
 
 
 def exit_code_for(e: BaseException) -> int | None:

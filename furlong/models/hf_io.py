@@ -6,7 +6,7 @@ error too, except RoPE caches and a tied `lm_head.weight` that some exporters
 write; a truncated or garbage file fails its header check (safetensors compares
 the header's extent with the file size). All errors are ValueError naming the
 file and key, so a run can check its checkpoint before it writes anything.
-Loading checks the same, builds the Transformer on the meta device (no memory,
+Loading checks the same plus every tensor's values (NaN/inf refused), builds the Transformer on the meta device (no memory,
 no init), casts, materializes it with `to_empty`, then copies each tensor from
 the memory-mapped file(s) into place and recomputes the fp32 RoPE frequencies.
 
@@ -143,7 +143,10 @@ def load_pretrained(path: str | Path, dtype: torch.dtype | None = None,
         for file, keys in by_file.items():
             with _open(file) as f:
                 for key in keys:
-                    targets[key].copy_(f.get_tensor(key))
+                    t = f.get_tensor(key)
+                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):   # one pass per tensor
+                        raise ValueError(f"{file}: tensor {key!r} holds NaN or inf values (damaged checkpoint?)")
+                    targets[key].copy_(t)
     model.init_rope()
     return model.eval()
 

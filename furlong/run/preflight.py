@@ -136,7 +136,7 @@ def check_inputs(cfg: Config, with_actor: bool) -> CheckedInputs:
     dataset = None
     if with_actor:
         dataset = PromptDataset(cfg.data.prompt_data, input_key=cfg.data.input_key, label_key=cfg.data.label_key,
-                                shuffle=cfg.data.rollout_shuffle, seed=cfg.data.rollout_seed, **common)
+                                shuffle=cfg.data.rollout_shuffle, seed=cfg.rollout_seed, **common)
     eval_sets = []
     for name, path in cfg.eval_sets():
         ds = PromptDataset(path, input_key=cfg.eval.eval_input_key or cfg.data.input_key,

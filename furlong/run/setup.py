@@ -19,6 +19,7 @@ from furlong.config import Config
 from furlong.run.metrics import MetricsLogger
 from furlong.run.identity import prepare_run_dirs, run_record
 from furlong.run.preflight import check_inputs
+from furlong.seeding import seed_everything
 from furlong.launch.distributed import barrier
 from furlong.trainer.fsdp import compute_dtype
 from furlong.types import DistContext, Prompt, Sample
@@ -71,6 +72,7 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool) -> RunParts:
     from furlong.models.hf_io import load_pretrained
 
     # 1. inputs (nothing written yet)
+    seed_everything(cfg.parallel.seed)
     inputs = check_inputs(cfg, with_actor)
     ckpt, tokenizer, max_resp, resume, out = (inputs.hf_checkpoint, inputs.tokenizer, inputs.max_response_len,
                                               inputs.resume, inputs.output_dir)
