@@ -15,6 +15,7 @@ from furlong.config import Config
 from furlong.config_checks import sglang_flags_set, validate
 
 EXIT_USAGE = 2
+MAX_SYNTHETIC_ROWS = 10_000_000   # `prepare synthetic` builds every row in memory (~1 GB at this size)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -166,6 +167,9 @@ def _run(argv: list[str]) -> int:
             counts = prepare_gsm8k(args.input, args.output)
         else:
             from furlong.tasks.synthetic import prepare_synthetic
+            for flag_name, n in (("--num-train", args.num_train), ("--num-test", args.num_test)):
+                if not 1 <= n <= MAX_SYNTHETIC_ROWS:   # all rows are built in memory, silently: bound them
+                    raise ValueError(f"{flag_name}: must be in [1, {MAX_SYNTHETIC_ROWS}], got {n}")
             counts = prepare_synthetic(args.output, args.num_train, args.num_test, args.seed)
         print(f"prepare {args.task}: wrote " + ", ".join(f"{k} {v} rows" for k, v in counts.items())
               + f" to {args.output}")
@@ -206,9 +210,14 @@ def _check_output(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from furlong.termination import Terminated, sigterm_raises, terminated_line
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return _run(argv)
+        with sigterm_raises():
+            return _run(argv)
+    except Terminated as e:
+        print(terminated_line(e), file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print("furlong: interrupted", file=sys.stderr)
         return 130

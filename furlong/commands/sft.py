@@ -5,11 +5,18 @@ the assistant's. The prompt is the chat template of the earlier turns with the
 generation prompt; the loss covers the assistant turn's tokens (content and the
 end-of-turn token), aggregated per sample as the RL loss is (each sample's token
 mean, averaged over the batch). `--save DIR` receives an HF checkpoint.
+
+Outputs follow train's rules: a run directory holding metrics.jsonl is refused unless --overwrite
+(which starts it over), and --save must be new or empty unless --overwrite (safe_paths.py), both
+checked before the model loads. SIGINT/SIGTERM stop after the current step; the weights so far
+are then saved to --save as at the end, and the exit code is 128 + signal.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -17,6 +24,7 @@ import torch
 
 from furlong.config import Config
 from furlong.run.metrics import MetricsLogger, Progress, format_duration
+from furlong.launch.signals import StopRequest
 from furlong.seeding import seed_everything
 from furlong.trainer.nonfinite import NonFiniteGuard
 from furlong.types import DistContext, TrainSample
@@ -105,9 +113,31 @@ def run_sft(cfg: Config, ctx: DistContext) -> int:
     if ctx.rank == 0 and cfg.log.overwrite and (out / "metrics.jsonl").exists():
         (out / "metrics.jsonl").unlink()   # --overwrite starts the metrics over (train's rule)
     logger = MetricsLogger(out, enabled=ctx.rank == 0)
+    if ctx.rank == 0:
+        from furlong.run.identity import new_run_id, run_record
+        (out / "config.json").write_text(json.dumps(run_record(cfg, new_run_id()), indent=1, default=str))
+    with StopRequest() as stop:
+        done, signum = _steps(cfg, ctx, actor, samples, gbs, steps_per_epoch, logger, stop)
+    if cfg.ckpt.save is not None:   # also after a signal, as train's final save: the weights so far
+        save_hf_checkpoint(actor.model, ckpt, cfg.ckpt.save, ctx.rank)
+        if ctx.rank == 0:
+            print(f"sft: wrote HF checkpoint {cfg.ckpt.save}", flush=True)
+    logger.close()
+    if signum:
+        if ctx.rank == 0:
+            print(f"furlong: sft stopped by signal {signum} after step {done}/{steps_per_epoch * cfg.sft.num_epoch}"
+                  + (f"; its weights are in {cfg.ckpt.save}" if cfg.ckpt.save else ""), file=sys.stderr, flush=True)
+        return 128 + signum
+    return 0
+
+
+def _steps(cfg: Config, ctx: DistContext, actor, samples: list[TrainSample], gbs: int, steps_per_epoch: int,
+           logger: MetricsLogger, stop: StopRequest) -> tuple[int, int | None]:
+    """The SFT steps: (steps done, None or the signal that stopped them after a whole step)."""
+    total = steps_per_epoch * cfg.sft.num_epoch
     progress = Progress(total)
-    step = 0
     skips = NonFiniteGuard(cfg.optim.max_nonfinite_skips)
+    step = 0
     for epoch in range(cfg.sft.num_epoch):
         order = list(range(len(samples)))
         random.Random(cfg.parallel.seed + epoch).shuffle(order)   # same order on every rank
@@ -123,9 +153,7 @@ def run_sft(cfg: Config, ctx: DistContext) -> int:
                 print(f"[sft {step}/{total} epoch {epoch + 1}] loss {m.loss:.4f} | lr {m.lr:.2e} | "
                       f"{m.num_tokens / max(m.seconds, 1e-9):.0f} tok/s | ETA {format_duration(progress.eta(step))}",
                       flush=True)
-    if cfg.ckpt.save is not None:
-        save_hf_checkpoint(actor.model, ckpt, cfg.ckpt.save, ctx.rank)
-        if ctx.rank == 0:
-            print(f"sft: wrote HF checkpoint {cfg.ckpt.save}", flush=True)
-    logger.close()
-    return 0
+            signum = stop.agreed(ctx.world_size, ctx.device)
+            if signum:
+                return step, signum
+    return step, None

@@ -129,6 +129,10 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool) -> RunParts:
     logger = MetricsLogger(out, enabled=logger_enabled, use_tensorboard=cfg.log.use_tensorboard,
                            wandb_settings=wandb)
     logger.line(f"run directory: {out}")
+    if inputs.filter_fn is not None and dataset is not None:   # the bound of rollout.py, said up front
+        from furlong.rollout.rollout import give_up_rule
+        from furlong.run.specs import rollout_spec
+        logger.line(give_up_rule(rollout_spec(cfg), len(dataset), inputs.filter_fn.name))
     if resume is not None and not with_actor:
         logger.line(f"evaluating iteration {resume.iteration} of {cfg.ckpt.load} ({resume.path})")
 
