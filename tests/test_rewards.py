@@ -277,7 +277,7 @@ def test_run_score_bad_arguments(tmp_path):
     src = _write_jsonl(tmp_path / "p.jsonl", [json.dumps({"response": "a", "label": "1"})])
     with pytest.raises(ValueError, match="--rm-type: unknown reward"):
         run_score(src, "nope")
-    with pytest.raises(ValueError, match="overwrite the input"):
+    with pytest.raises(ValueError, match="--output: .* is the --input"):
         run_score(src, "math", output_path=src)
     with pytest.raises(ValueError, match="missing.jsonl: cannot read"):
         run_score(tmp_path / "missing.jsonl", "math")
