@@ -29,8 +29,9 @@ def _need(cond: bool, flag_name: str, msg: str) -> None:
 def validate(cfg: Config, command: str = "train") -> None:
     """Check flag values and combinations; raise ValueError('--flag: why')."""
     d, r, a, o, b, p, e = cfg.data, cfg.rollout, cfg.algo, cfg.optim, cfg.batch, cfg.parallel, cfg.eval
-    if command in ("train", "sft", "eval"):
-        _need(d.hf_checkpoint is not None, "--hf-checkpoint", "required")
+    if command in ("train", "sft") or (command == "eval" and cfg.ckpt.load is None):
+        _need(d.hf_checkpoint is not None, "--hf-checkpoint", "required" + (" (or --load, whose checkpoint records "
+                                                                             "it)" if command == "eval" else ""))
     if command in ("train", "sft"):
         _need(d.prompt_data is not None, "--prompt-data", "required")
     if command == "train":
