@@ -158,7 +158,8 @@ def _check_optim(cfg: Config) -> None:
     _need(math.isfinite(o.weight_decay) and o.weight_decay >= 0, "--weight-decay",
           f"must be a finite number >= 0, got {o.weight_decay}")
     _need(o.lr_warmup_iters >= 0, "--lr-warmup-iters", f"must be >= 0, got {o.lr_warmup_iters}")
-    _need(o.lr_decay_iters is None or o.lr_decay_iters >= 1, "--lr-decay-iters", f"must be >= 1, got {o.lr_decay_iters}")
+    _need(o.lr_decay_iters is None or o.lr_decay_iters >= 1, "--lr-decay-iters",
+          f"must be >= 1, got {o.lr_decay_iters}")
     _need(math.isfinite(o.clip_grad) and o.clip_grad >= 0, "--clip-grad", f"must be a finite number >= 0 (0: off)")
     _need(o.max_nonfinite_skips >= 0, "--max-nonfinite-skips", "must be >= 0 (0: never stop)")
     a = cfg.algo

@@ -6,9 +6,9 @@ error too, except RoPE caches and a tied `lm_head.weight` that some exporters
 write; a truncated or garbage file fails its header check (safetensors compares
 the header's extent with the file size). All errors are ValueError naming the
 file and key, so a run can check its checkpoint before it writes anything.
-Loading checks the same plus every tensor's values (NaN/inf refused), builds the Transformer on the meta device (no memory,
-no init), casts, materializes it with `to_empty`, then copies each tensor from
-the memory-mapped file(s) into place and recomputes the fp32 RoPE frequencies.
+Loading checks the same plus every tensor's values (NaN/inf refused), builds the Transformer on the
+meta device (no memory, no init), casts, materializes it with `to_empty`, then copies each tensor
+from the memory-mapped file(s) into place and recomputes the fp32 RoPE frequencies.
 
 Names: ours are the HF names without the "model." prefix. `hf_name` is the one
 mapping between the two; everything else here goes through it.
