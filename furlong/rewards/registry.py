@@ -112,7 +112,7 @@ def _as_float(value: Any, sample: Sample, fn: Any) -> float:
     except (TypeError, ValueError, OverflowError) as e:   # 10**400 overflows a float
         raise RewardError(where.format(f"{str(value)[:40]}") + f": not a float ({type(e).__name__})") from None
     if not math.isfinite(out):
-        raise RewardError(where.format(out) + f" (is {out}): rewards must be finite numbers")
+        raise RewardError(where.format(out) + f"; the reward is {out}: rewards must be finite numbers")
     return out
 
 
