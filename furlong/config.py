@@ -30,7 +30,8 @@ class DataConfig:
     label_key: str | None = flag(None, "column holding the label")
     apply_chat_template: bool = flag(False, "format prompts with the tokenizer's chat template")
     rollout_shuffle: bool = flag(False, "shuffle prompts each epoch (seeded by --rollout-seed)")
-    rollout_seed: int | None = flag(None, "seed for prompt shuffling and sampling (default: --seed)")
+    rollout_seed: int | None = flag(None, "seed for prompt shuffling and sampling (default: from --seed; "
+                                                "42 with the default --seed, as in miles)")
     rollout_max_prompt_len: int | None = flag(None, "drop prompts longer than this many tokens")
 
 
@@ -195,6 +196,9 @@ class SftConfig:
     sft_max_len: int = flag(2048, "SFT: truncate samples to this many tokens")
 
 
+ROLLOUT_SEED_OFFSET = 42 - 1234   # miles' default --rollout-seed minus its default --seed
+
+
 @dataclass(frozen=True)
 class EvalSampling:
     """The eval flags after their fallbacks to the rollout's (Config.eval_sampling)."""
@@ -241,8 +245,11 @@ class Config:
 
     @property
     def rollout_seed(self) -> int:
-        """--rollout-seed, falling back to --seed (so --seed alone decides every draw)."""
-        return self.parallel.seed if self.data.rollout_seed is None else self.data.rollout_seed
+        """--rollout-seed, else derived from --seed (so --seed alone decides every draw): offset so that
+        miles' two defaults coincide (--seed 1234 gives --rollout-seed 42, miles' default)."""
+        if self.data.rollout_seed is not None:
+            return self.data.rollout_seed
+        return (self.parallel.seed + ROLLOUT_SEED_OFFSET) % 2**63   # non-negative, as a flag value must be
 
     def eval_sampling(self) -> EvalSampling:
         """Eval sampling settings, each falling back to the rollout's."""

@@ -133,10 +133,18 @@ def test_seed_decides_grpo_training(assets, tmp_path):
     assert runs["a"] == runs["b"]
     assert runs["a"][1] != runs["c"][1] and runs["a"][0] != runs["c"][0]
     # an explicit --rollout-seed wins over --seed for the sampling
-    assert main(train_argv(assets, tmp_path / "d", "--seed", "2", "--rollout-seed", "1",
+    seed_1 = parse_config(["--hf-checkpoint", "x", "--prompt-data", "y", "--rm-type", "math", "--seed", "1"])
+    assert main(train_argv(assets, tmp_path / "d", "--seed", "2", "--rollout-seed", str(seed_1.rollout_seed),
                            "--save-debug-rollout-data")) == 0
     first = lambda n: (tmp_path / n / "samples" / "rollout_train_1.jsonl").read_text()  # noqa: E731
     assert first("d") == first("a")
+
+
+def test_rollout_seed_defaults_to_miles_default_under_the_default_seed():
+    base = ["--hf-checkpoint", "x", "--prompt-data", "y", "--rm-type", "math"]
+    assert parse_config(base).rollout_seed == 42                        # miles: --seed 1234, --rollout-seed 42
+    assert parse_config(base + ["--seed", "7"]).rollout_seed != 42
+    assert parse_config(base + ["--seed", "7", "--rollout-seed", "5"]).rollout_seed == 5
 
 
 def test_seed_everything_seeds_python_numpy_torch():
