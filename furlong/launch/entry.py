@@ -21,6 +21,7 @@ defaults to --save, so torchrun's restarts (--max-restarts N) continue from the 
 """
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import sys
@@ -34,6 +35,7 @@ if TYPE_CHECKING:   # furlong.types imports torch, which `furlong --help` need n
 
 EXIT_BAD_INPUT = 2
 EXIT_RUN_FAILED = 1
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.EFBIG)
 
 
 def _run_failure_types() -> tuple[type, ...]:
@@ -43,13 +45,17 @@ def _run_failure_types() -> tuple[type, ...]:
     from furlong.rollout.rollout import RolloutError
     from furlong.checkpoint.store import SaveError
     from furlong.launch.failure import RunStopped
-    return (RolloutError, CiFailure, RewardError, SaveError, RunStopped)
+    from furlong.trainer.nonfinite import NonFiniteError
+    from furlong.rollout.filters import FilterError
+    return (RolloutError, CiFailure, RewardError, SaveError, NonFiniteError, FilterError, RunStopped)
 
 
 def exit_code_for(e: BaseException) -> int | None:
     """Exit code for an error the user caused, or None for a bug (which keeps its traceback)."""
     if isinstance(e, (ValueError, FileNotFoundError)):
         return EXIT_BAD_INPUT
+    if isinstance(e, OSError) and e.errno in _WRITE_ERRNOS:   # full disk, read-only target: one line
+        return EXIT_RUN_FAILED
     try:
         failures = _run_failure_types()
     except Exception:  # noqa: BLE001 - a broken import must not hide the original error

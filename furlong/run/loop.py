@@ -22,6 +22,7 @@ from furlong.launch.signals import StopRequest
 from furlong.run.specs import checkpoint_paths, eval_spec, step_settings
 from furlong.run.step import StageClock, rl_step
 from furlong.trainer.mfu import mfu
+from furlong.trainer.nonfinite import NonFiniteGuard
 from furlong.checkpoint.run import save_run
 from furlong.types import DistContext
 
@@ -118,6 +119,7 @@ def _rollouts(parts: RunParts, ci: "CiChecker", progress: Progress, stop: StopRe
     cfg, ctx, logger = parts.cfg, parts.ctx, parts.logger
     num_rollout, eval_every = cfg.rollout.num_rollout, cfg.eval.eval_interval
     settings = step_settings(cfg)
+    skips = NonFiniteGuard(cfg.optim.max_nonfinite_skips)
     for rollout_id in range(parts.start_rollout, num_rollout):
         clock = StageClock(position, rollout_id)
         step = rl_step(parts, settings, rollout_id, clock)    # rollout ... weight sync (run/step.py)
@@ -147,6 +149,9 @@ def _rollouts(parts: RunParts, ci: "CiChecker", progress: Progress, stop: StopRe
         # The metrics line is on disk before the checkpoint's tracker moves past this rollout: a crash
         # between the two repeats the line on resume (cut back then), never loses it.
         logger.log(rollout_id, metrics)
+        if "train/num_steps" in metrics:   # --max-nonfinite-skips, once the step's line is on disk
+            skips.observe(int(metrics["train/num_steps"]), int(metrics["train/num_skipped_steps"]),
+                          f"rollout {rollout_id + 1}")
         logger.line(progress_line(rollout_id, num_rollout, metrics, progress.eta(rollout_id + 1)))
         saved = cfg.ckpt.save is not None and cfg.ckpt.save_interval and (rollout_id + 1) % cfg.ckpt.save_interval == 0
         if saved:

@@ -113,14 +113,14 @@ def rollout_spec(cfg: Config) -> RolloutSpec:
                               stop_token_ids=list(r.rollout_stop_token_ids))
     return RolloutSpec(rollout_batch_size=r.rollout_batch_size, n_samples_per_prompt=r.n_samples_per_prompt,
                        over_sampling_batch_size=cfg.over_sampling_batch_size, sampling=sampling,
-                       seed=cfg.data.rollout_seed)
+                       seed=cfg.rollout_seed)
 
 
 def eval_spec(cfg: Config) -> EvalSpec:
     e, r = cfg.eval_sampling(), cfg.rollout
     sampling = SamplingParams(temperature=e.temperature, top_p=e.top_p, top_k=e.top_k,
                               max_new_tokens=e.max_new_tokens, stop=list(r.rollout_stop),
-                              stop_token_ids=list(r.rollout_stop_token_ids), seed=cfg.data.rollout_seed)
+                              stop_token_ids=list(r.rollout_stop_token_ids), seed=cfg.rollout_seed)
     return EvalSpec(sampling=sampling, n_samples_per_prompt=cfg.eval.n_samples_per_eval_prompt)
 
 
