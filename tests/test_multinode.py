@@ -65,15 +65,17 @@ def train_flags(a: Path, run: Path, *extra: str) -> list[str]:
             "--save-interval", "2", *extra]
 
 
-def torchrun(nnodes: int, nproc: int, flags: list[str], *launch: str) -> list[subprocess.Popen]:
-    """One torchrun per node, as on a cluster (the README's commands); returns them by node rank."""
+def torchrun(nnodes: int, nproc: int, flags: list[str], *launch: str, gpu_per_node: bool = False
+             ) -> list[subprocess.Popen]:
+    """One torchrun per node, as on a cluster (the README's commands); returns them by node rank.
+    gpu_per_node: node i sees only GPU i (CUDA_VISIBLE_DEVICES), as separate machines would."""
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     port = str(free_port())
     return [subprocess.Popen([*TORCHRUN, "--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--node-rank",
                               str(node), "--master-addr", "127.0.0.1", "--master-port", port, *launch,
-                              "-m", "furlong", *flags], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+                              "-m", "furlong", *flags], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env={**env, "CUDA_VISIBLE_DEVICES": str(node)} if gpu_per_node else env, text=True)
             for node in range(nnodes)]
 
 
@@ -208,3 +210,20 @@ def test_max_restarts_heal_a_lost_worker_to_the_uninterrupted_result(assets, two
     assert "torchrun restarts the workers (restart 1 of 1), which resume from it" in err0
     assert "resumed from iteration 2" in out0
     assert_same_run(tmp_path, two_nodes, assets, exact=True)   # metrics once per rollout, same weights
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_lost_worker_ends_by_the_timeout_in_one_line(assets, tmp_path):
+    """NCCL does not see a dead peer's socket: the survivor waits in its collective until
+    --distributed-timeout-minutes (1 here), then the watchdog aborts the communicator
+    (TORCH_NCCL_ASYNC_ERROR_HANDLING=2) and the waiting call raises into the one-line report."""
+    flags = train_flags(assets, tmp_path, "--num-rollout", "400", "--distributed-timeout-minutes", "1")
+    flags[flags.index("--device") + 1] = "cuda"
+    procs = torchrun(2, 1, flags, gpu_per_node=True)
+    kill_node_1_worker_after_iter_2(procs)
+    t = time.monotonic()
+    [(code0, _, err0), _] = finish(procs, timeout=300)
+    assert code0 != 0 and time.monotonic() - t < 180, err0[-3000:]
+    ours = [ln for ln in err0.splitlines() if ln.startswith("furlong:")]
+    assert len(ours) == 1 and LINE.search(ours[0]), err0[-3000:]
