@@ -134,7 +134,7 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, rows: SamplingRows, truncate: bool) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.on_gpu:
             return sample_reference(logits, rows, truncate)
-        from furlong.engine.kernels import sample_chunks, sample_tokens
+        from furlong.engine.sample_kernels import sample_chunks, sample_tokens
         if truncate:
             thr = row_thresholds(logits.float() * rows.inv_temperature[:, None], rows.top_k, rows.top_p)
             thr = torch.where(rows.greedy, float("-inf"), thr)
