@@ -68,11 +68,13 @@ def _build_parser() -> _Parser:
     d.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", dest="settings",
                    help="override one setting of the preset (a DemoScale field in furlong/commands/demo.py); repeatable")
     b = sub.add_parser("bench", help="benchmark one RL step of a workload file")
-    b.add_argument("--workload", required=True, metavar="FILE", help="(required) workload file (bench/workloads/*)")
+    b.add_argument("--workload", required=True, metavar="FILE", help="(required) workload file (bench/*_workload.json)")
     b.add_argument("--output", default=None, metavar="FILE.json",
                    help="results as JSON (default: $OUT/bench.json when $OUT is set, else none)")
     b.add_argument("--parts", default="all",
                    help="all, or a comma list of the parts to run (see furlong/bench/workload.py)")
+    b.add_argument("--kv-dtype", default="auto", choices=("auto", "bf16", "fp8_e4m3"),
+                   help="the engine's KV cache in the generating parts (default: auto, the model's dtype)")
     pl = sub.add_parser("plot", help="one PNG of a run's metrics (reward, eval, length, KL, entropy, time)")
     pl.add_argument("run_dir", metavar="RUN_DIR", help="a run's --output-dir (holds metrics.jsonl)")
     pl.add_argument("--output", default=None, metavar="FILE.png", help="default: RUN_DIR/metrics.png")
@@ -140,7 +142,7 @@ def _run(argv: list[str]) -> int:
                         settings=args.settings)
     if args.command == "bench":
         from furlong.bench import run_bench
-        return run_bench(args.workload, args.output, args.parts)
+        return run_bench(args.workload, args.output, args.parts, args.kv_dtype)
     if args.command == "plot":
         from furlong.commands.plot import plot_run
         print(f"plot: wrote {plot_run(args.run_dir, args.output)}")

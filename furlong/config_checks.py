@@ -51,6 +51,8 @@ def validate(cfg: Config, command: str = "train") -> None:
     _need(r.rollout_num_gpus is None or r.rollout_num_gpus == num_gpus, "--rollout-num-gpus",
           f"the built-in engine is colocated: it runs on the actor's {num_gpus} GPU(s)")
     _need(0 < r.rollout_kv_fraction < 1, "--rollout-kv-fraction", "must be in (0, 1)")
+    _need(r.rollout_kv_dtype in ("auto", "bf16", "fp8_e4m3"), "--rollout-kv-dtype",
+          f"unknown KV cache dtype {r.rollout_kv_dtype!r} (auto, bf16, fp8_e4m3)")
     _need(r.rollout_max_num_seqs >= 1, "--rollout-max-num-seqs", "must be >= 1")
     _need(1 <= r.rollout_decode_window <= 64, "--rollout-decode-window", "must be in [1, 64]")
     _need(len(e.eval_prompt_data) % 2 == 0, "--eval-prompt-data", "expects pairs: name path [name path ...]")

@@ -91,7 +91,8 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool) -> RunParts:
     engine = Engine(engine_model, tokenizer, eos_token_ids(ckpt, tokenizer), EngineConfig(
         kv_fraction=r.rollout_kv_fraction, max_num_seqs=r.rollout_max_num_seqs,
         decode_window=r.rollout_decode_window, max_model_len=max_prompt_len + max_resp,
-        use_cuda_graphs=not r.rollout_enforce_eager, cascade=not r.rollout_no_cascade))
+        use_cuda_graphs=not r.rollout_enforce_eager, cascade=not r.rollout_no_cascade,
+        kv_dtype=r.rollout_kv_dtype))
     actor = critic = None
     if with_actor:
         from furlong.trainer.actor import Actor
