@@ -34,7 +34,8 @@ class DataFlags:
     label_key: str | None = flag(None, "column holding the label")
     apply_chat_template: bool = flag(False, "format prompts with the tokenizer's chat template")
     rollout_shuffle: bool = flag(False, "shuffle prompts each epoch (seeded by --rollout-seed)")
-    rollout_seed: int = flag(42, "seed for prompt shuffling and sampling")
+    rollout_seed: int | None = flag(None, "seed for prompt shuffling and sampling (default: from --seed; "
+                                                "42 with the default --seed, as in miles)")
     rollout_max_prompt_len: int | None = flag(None, "drop prompts longer than this many tokens")
 
 
@@ -66,6 +67,9 @@ class RolloutFlags:
     rollout_decode_window: int = flag(16, "engine: decode steps between host syncs (finished rows leave then)")
     rollout_enforce_eager: bool = flag(False, "engine: no CUDA graphs (debugging)")
     rollout_no_cascade: bool = flag(False, "engine: each sample reads its prompt's KV itself, not once per group")
+    rollout_kv_dtype: str = flag("auto", "engine KV cache: auto (the model's dtype) | bf16 | fp8_e4m3 (half the bytes: "
+                                 "~2x the tokens and faster long decodes; one scale per token and KV head)",
+                                 aliases=["--sglang-kv-cache-dtype"])
     sglang_decode_log_interval: int | None = flag(None, "SGLang only", sglang=True)
     sglang_enable_metrics: bool = flag(False, "SGLang only", sglang=True)
 
@@ -136,6 +140,8 @@ class OptimConfig:
     adam_beta2: float = flag(0.95, "Adam beta2")
     adam_eps: float = flag(1e-8, "Adam epsilon")
     clip_grad: float = flag(1.0, "gradient norm clip (0: off)")
+    max_nonfinite_skips: int = flag(5, "stop the run after this many optimizer steps in a row were skipped for a "
+                                       "non-finite gradient norm (0: never; furlong only, miles has no such stop)")
 
 
 @dataclass
@@ -164,7 +170,12 @@ class ParallelFlags:
     fsdp_reshard_after_forward: bool = flag(
         False, "free each layer's gathered weights after its forward and re-gather them in backward and for "
                "every micro-batch (saves one compute-dtype copy of the model per rank; slower)")
-    seed: int = flag(1234, "trainer seed")
+    seed: int = flag(1234, "seeds every random draw: python, numpy and torch, and the rollout's sampling and "
+                           "prompt order unless --rollout-seed is given")
+    distributed_timeout_minutes: int = flag(10, "minutes any collective (and the rendezvous) may wait for a peer "
+                                            "before the run stops with one line naming it")
+    use_fault_tolerance: bool = flag(False, "resume by itself: --load defaults to --save, so workers that "
+                                     "torchrun restarts (--max-restarts N) continue from the last checkpoint")
 
 
 @dataclass

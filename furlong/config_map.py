@@ -48,6 +48,7 @@ class RunConfig:
     ci_metric_key: str | None        # --ci-test: the eval metric that must reach ci_threshold (None: no check)
     ci_threshold: float | None
     ci_check_kl: bool                # --ci-test: the first actor step's ppo_kl must be ~0
+    max_nonfinite_skips: int         # stop after this many optimizer steps in a row skipped (0: never)
 
     def with_max_tokens(self, max_tokens_per_gpu: int) -> RunConfig:
         """This config with the micro-batch token budget the memory probe chose ('auto')."""
@@ -145,7 +146,7 @@ def rollout_config(cfg: Config) -> RolloutConfig:
                               stop_token_ids=list(r.rollout_stop_token_ids))
     over = r.rollout_batch_size if r.over_sampling_batch_size is None else r.over_sampling_batch_size
     return RolloutConfig(rollout_batch_size=r.rollout_batch_size, n_samples_per_prompt=r.n_samples_per_prompt,
-                         over_sampling_batch_size=over, sampling=sampling, seed=cfg.data.rollout_seed)
+                         over_sampling_batch_size=over, sampling=sampling, seed=rollout_seed(cfg))
 
 
 def eval_max_response_len(cfg: Config) -> int:
@@ -160,7 +161,7 @@ def eval_config(cfg: Config) -> EvalConfig:
     sampling = SamplingParams(temperature=fallback(e.eval_temperature, r.rollout_temperature),
                               top_p=fallback(e.eval_top_p, r.rollout_top_p), top_k=fallback(e.eval_top_k, r.rollout_top_k),
                               max_new_tokens=eval_max_response_len(cfg), stop=list(r.rollout_stop),
-                              stop_token_ids=list(r.rollout_stop_token_ids), seed=cfg.data.rollout_seed)
+                              stop_token_ids=list(r.rollout_stop_token_ids), seed=rollout_seed(cfg))
     return EvalConfig(sampling=sampling, n_samples_per_prompt=e.n_samples_per_eval_prompt, interval=e.eval_interval,
                       before_train=not e.skip_eval_before_train)
 
@@ -170,7 +171,8 @@ def engine_config(cfg: Config, max_model_len: int) -> EngineConfig:
     r = cfg.rollout
     return EngineConfig(kv_fraction=r.rollout_kv_fraction, max_num_seqs=r.rollout_max_num_seqs,
                         decode_window=r.rollout_decode_window, max_model_len=max_model_len,
-                        use_cuda_graphs=not r.rollout_enforce_eager, cascade=not r.rollout_no_cascade)
+                        use_cuda_graphs=not r.rollout_enforce_eager, cascade=not r.rollout_no_cascade,
+                        kv_dtype=r.rollout_kv_dtype)
 
 
 def checkpoint_config(cfg: Config) -> CheckpointConfig:
@@ -194,4 +196,17 @@ def run_config(cfg: Config) -> RunConfig:
         save_debug_rollout_data=lg.save_debug_rollout_data,
         ci_metric_key=lg.ci_metric_checker_key if lg.ci_test else None, ci_threshold=lg.ci_metric_checker_threshold,
         # with old log-probs from the engine the first step's ratio is not exactly 1
-        ci_check_kl=lg.ci_test and not lg.ci_disable_kl_checker and not a.use_rollout_logprobs)
+        ci_check_kl=lg.ci_test and not lg.ci_disable_kl_checker and not a.use_rollout_logprobs,
+        max_nonfinite_skips=cfg.optim.max_nonfinite_skips)
+
+
+# miles' default --rollout-seed minus its default --seed: with neither flag given, runs draw as miles' do
+ROLLOUT_SEED_OFFSET = 42 - 1234
+
+
+def rollout_seed(cfg: Config) -> int:
+    """--rollout-seed, else derived from --seed (so --seed alone decides every draw), offset so that
+    miles' two defaults coincide (--seed 1234 gives --rollout-seed 42, miles' default)."""
+    if cfg.data.rollout_seed is not None:
+        return cfg.data.rollout_seed
+    return (cfg.parallel.seed + ROLLOUT_SEED_OFFSET) % 2**63   # non-negative, as a flag value must be

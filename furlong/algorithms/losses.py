@@ -9,8 +9,10 @@ advantages refer to, ref the reference model and rollout the engine:
     pg    = max(-ratio*A, -clamp(ratio, 1-eps_clip, 1+eps_clip_high)*A)
             (dual clip, A < 0 only: pg = min(pg, -c*A))
     pg   *= clamp(exp(old - rollout), tis_clip_low, tis_clip)   (--use-tis; detached)
-    KL    = estimator(logp - ref)  (* ratio with --use-unbiased-kl: an unbiased estimate of the
-            current policy's KL from samples of the old one)
+    KL    = estimator(logp - ref)  (* ratio = exp(logp - old) with --use-unbiased-kl: an unbiased
+            estimate of the current policy's KL from samples of the old one. low_var_kl clamps
+            the PRODUCT ratio * k3 to [-10, 10], miles' order, which recipes are tuned on;
+            clamping k3 first would bound a token's penalty by 10 * ratio instead of 10)
     total = pg + kl_loss_coef * KL - entropy_coef * entropy
 
 Tokens that carry no loss (weight 0: prompt positions, masked response tokens)
@@ -79,8 +81,9 @@ def _kl_k3(d: torch.Tensor) -> torch.Tensor:
 
 
 def _kl_low_var(d: torch.Tensor) -> torch.Tensor:
+    # Unclamped here: kl_penalty clamps after the optional importance ratio (miles' order).
     neg = torch.clamp(-d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return torch.clamp(torch.exp(neg) - 1 - neg, -LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
+    return torch.exp(neg) - 1 - neg
 
 
 # Estimators of KL(policy || ref) from d = logp - ref_logp of sampled tokens.
@@ -92,13 +95,20 @@ KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL estimate [T] of the kind named by --kl-loss-type."""
+def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str,
+               importance_ratio: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token KL estimate [T] of the kind named by --kl-loss-type, times importance_ratio [T]
+    when given (--use-unbiased-kl); low_var_kl's clamp applies to that product (miles)."""
     try:
         fn = KL_ESTIMATORS[kind]
     except KeyError:
         raise ValueError(f"--kl-loss-type: unknown type {kind!r} ({', '.join(KL_ESTIMATORS)})") from None
-    return fn(log_probs - ref_log_probs)
+    kl = fn(log_probs - ref_log_probs)
+    if importance_ratio is not None:
+        kl = kl * importance_ratio
+    if kind == "low_var_kl":
+        kl = torch.clamp(kl, -LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
+    return kl
 
 
 def tis_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, clip: float,
@@ -186,9 +196,9 @@ def rl_loss(mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor | Non
     zero = torch.zeros((), device=w.device)
     kl_metric = zero
     if params.use_kl_loss:
-        kl = kl_penalty(log_probs, ref, params.kl_loss_type)
-        if params.use_unbiased_kl:
-            kl = kl * torch.exp(torch.clamp(log_probs - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        ratio = (torch.exp(torch.clamp(log_probs - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+                 if params.use_unbiased_kl else None)
+        kl = kl_penalty(log_probs, ref, params.kl_loss_type, ratio)
         kl = torch.where(live, kl, 0.0)
         total = total + params.kl_loss_coef * kl
         kl_metric = _wsum(kl, w)

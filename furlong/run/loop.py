@@ -20,6 +20,7 @@ import torch
 
 from furlong.checkpoint.run import save_run
 from furlong.config import Config
+from furlong.launch.failure import Position
 from furlong.launch.signals import StopRequest
 from furlong.rollout.eval import run_eval
 from furlong.run.metrics import Progress, progress_line, write_samples
@@ -27,6 +28,7 @@ from furlong.run.setup import RunParts, build_run
 from furlong.trainer.memory_plan import TrainerOutOfMemory, out_of_memory_line
 from furlong.run.step import StageClock, StepOutput, rl_step
 from furlong.trainer.mfu import mfu
+from furlong.trainer.nonfinite import NonFiniteGuard
 from furlong.types import DistContext
 
 
@@ -85,7 +87,9 @@ def _save(parts: RunParts, rollout_id: int) -> None:
     parts.logger.line(f"saved checkpoint {path} (after rollout {rollout_id + 1}, {time.perf_counter() - t:.1f}s)")
 
 
-def run_rl(cfg: Config, ctx: DistContext) -> int:
+def run_rl(cfg: Config, ctx: DistContext, position: Position | None = None) -> int:
+    """`position`: where this rank is (launch/failure.py names it if the run fails); a fresh one if None."""
+    position = position or Position(rank=ctx.rank)
     parts = build_run(cfg, ctx, with_actor=True)   # validates every input before anything is written
     config, logger = parts.config, parts.logger
     ci = CiChecker(config.ci_metric_key, config.ci_threshold, config.ci_check_kl)
@@ -99,14 +103,15 @@ def run_rl(cfg: Config, ctx: DistContext) -> int:
         logger.line("[eval before training] " + " | ".join(f"{k} {v:.3f}" for k, v in m.items()))
 
     with StopRequest() as stop:
-        code = _rollouts(parts, ci, progress, stop)
+        code = _rollouts(parts, ci, progress, stop, position)
     if code:
         logger.close()
         return code
     num_rollout, ckpt = config.num_rollout, config.checkpoint
     if ckpt.save is not None and num_rollout > parts.start_rollout and not (
             ckpt.save_interval and num_rollout % ckpt.save_interval == 0):
-        _save(parts, num_rollout - 1)   # always leave the final state on disk
+        with position.stage("save", num_rollout - 1):
+            _save(parts, num_rollout - 1)   # always leave the final state on disk
     logger.close()
     ci.final()
     return 0
@@ -130,12 +135,13 @@ def _step_metrics(parts: RunParts, step: StepOutput, clock: StageClock) -> dict[
     return metrics
 
 
-def _rollouts(parts: RunParts, ci: CiChecker, progress: Progress, stop: StopRequest) -> int:
+def _rollouts(parts: RunParts, ci: CiChecker, progress: Progress, stop: StopRequest, position: Position) -> int:
     """The RL steps; 0, or 128 + signal when a SIGINT/SIGTERM stopped the run after a whole step."""
     config, ctx, logger = parts.config, parts.ctx, parts.logger
     num_rollout, eval_every, ckpt = config.num_rollout, config.eval.interval, config.checkpoint
+    skips = NonFiniteGuard(parts.config.max_nonfinite_skips)
     for rollout_id in range(parts.start_rollout, num_rollout):
-        clock = StageClock()
+        clock = StageClock(position, rollout_id)
         try:
             step = rl_step(parts, rollout_id, clock)                 # rollout ... weight sync (run/step.py)
         except torch.OutOfMemoryError as e:   # one line, not a traceback: the saved state is untouched
@@ -153,13 +159,18 @@ def _rollouts(parts: RunParts, ci: CiChecker, progress: Progress, stop: StopRequ
         # between the two repeats the line on resume (cut back then), never loses it.
         logger.log(rollout_id, metrics)
         logger.line(progress_line(rollout_id, num_rollout, metrics, progress.eta(rollout_id + 1)))
+        if "train/num_steps" in metrics:   # --max-nonfinite-skips, once the step's line is on disk
+            skips.observe(int(metrics["train/num_steps"]), int(metrics["train/num_skipped_steps"]),
+                          f"rollout {rollout_id + 1}")
         saved = ckpt.save is not None and ckpt.save_interval and (rollout_id + 1) % ckpt.save_interval == 0
         if saved:
-            _save(parts, rollout_id)
+            with position.stage("save", rollout_id):
+                _save(parts, rollout_id)
         signum = stop.agreed(ctx.world_size, ctx.device)
         if signum:
             if ckpt.save is not None and not saved:
-                _save(parts, rollout_id)
+                with position.stage("save", rollout_id):
+                    _save(parts, rollout_id)
             logger.line(f"furlong: stopped by signal {signum} after rollout {rollout_id + 1}/{num_rollout}"
                         + (f"; resume with --load {ckpt.save}" if ckpt.save is not None else ""))
             return 128 + signum

@@ -21,7 +21,7 @@ Every rank holds the whole batch here, so batch statistics (whitening) are globa
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Literal, TypeVar
 
@@ -30,6 +30,7 @@ import torch
 from furlong.algorithms.advantages import AdvantageConfig, AdvantageInputs, compute_advantages
 from furlong.algorithms.losses import kl_penalty
 from furlong.algorithms.shaping import ShapingConfig, shaped_rewards
+from furlong.launch.failure import Position
 from furlong.rollout.rollout import RolloutBatch, RolloutConfig, generate_rollout
 from furlong.trainer.metrics import TrainMetrics
 from furlong.trainer.trainer_config import BatchingConfig
@@ -71,17 +72,24 @@ def log_prob_passes(use_rollout_logprobs: bool, use_kl_loss: bool, kl_coef: floa
 class StageClock:
     """Wall-clock seconds of a step's stages: `clock.run("x", fn, ...)` records `perf/x_time`."""
 
-    def __init__(self) -> None:
+    def __init__(self, position: Position | None = None, rollout_id: int | None = None) -> None:
         self.started = time.perf_counter()
         self.seconds: dict[str, float] = {}
         self.current = "rollout"          # the stage last entered (an out-of-memory line names it)
+        self.position = position          # told each stage entered (a lost rank's line names it)
+        self.rollout_id = rollout_id
+
+    def where(self, name: str):
+        """Mark the stage for the failure report only (no timer)."""
+        return self.position.stage(name, self.rollout_id) if self.position is not None else nullcontext()
 
     @contextmanager
     def stage(self, name: str):
         t = time.perf_counter()
         self.current = name
         try:
-            yield
+            with self.where(name):
+                yield
         finally:
             key = f"perf/{name}_time"
             self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t
@@ -167,7 +175,8 @@ def rollout(parts: RunParts, cfg: RolloutConfig, rollout_id: int) -> RolloutBatc
 def rl_step(parts: RunParts, rollout_id: int, clock: StageClock) -> StepOutput:
     """Rollout `rollout_id` through the weight sync, stage by stage (module docstring)."""
     cfg, actor, critic = parts.config, parts.actor, parts.critic
-    batch = rollout(parts, cfg.rollout, rollout_id)                  # timed by its own clock: perf/rollout_time
+    with clock.where("rollout"):
+        batch = rollout(parts, cfg.rollout, rollout_id)              # timed by its own clock: perf/rollout_time
     samples, rewards = clock.run("shaping", train_samples, batch.groups, cfg.shaping)
     clock.run("old_log_probs", old_log_probs, samples, actor, cfg.steps, cfg.passes.old)
     clock.run("ref_log_probs", ref_log_probs, samples, actor, cfg.steps, cfg.passes.ref)
