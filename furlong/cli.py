@@ -137,6 +137,8 @@ def _build_parser() -> _Parser:
     e.add_argument("--output", required=True)
     e.add_argument("--hf-checkpoint", default=None,
                    help="the original checkpoint (config and tokenizer); default: the one the checkpoint records")
+    e.add_argument("--merged", action="store_true",
+                   help="LoRA checkpoint: write base + adapters as one HF checkpoint (default: a peft adapter folder)")
     return p
 
 
@@ -185,7 +187,7 @@ def _run(argv: list[str]) -> int:
         return 0
     if args.command == "export":
         from furlong.export import export_hf
-        export_hf(args.load, args.output, args.hf_checkpoint, ckpt_step=args.ckpt_step)
+        export_hf(args.load, args.output, args.hf_checkpoint, ckpt_step=args.ckpt_step, merged=args.merged)
         print(f"export: wrote {args.output}")
         return 0
     raise UsageError(f"furlong: unknown command {args.command!r}")

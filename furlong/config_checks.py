@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from furlong.config import Config, RolloutConfig
+from furlong.lora_flags import check_lora_flags
 
 
 def sglang_flags_set(cfg: Config) -> list[str]:
@@ -137,3 +138,4 @@ def validate(cfg: Config, command: str = "train") -> None:
         _need(cfg.log.ci_metric_checker_key is not None, "--ci-metric-checker-key", "required with --ci-test")
         _need(cfg.log.ci_metric_checker_threshold is not None, "--ci-metric-checker-threshold", "required with --ci-test")
     _need(cfg.sft.num_epoch >= 1, "--num-epoch", "must be >= 1")
+    check_lora_flags(cfg)

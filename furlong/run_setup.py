@@ -95,7 +95,9 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool) -> RunParts:
         from furlong.train.memory_probe import CPU_DEFAULT_TOKENS, probe_max_tokens
         from furlong.specs import actor_spec, critic_spec
         auto = cfg.max_tokens_per_gpu_is_auto
-        actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=device), actor_spec(cfg), ctx,
+        # full-parameter: fp32 masters; LoRA: the frozen base in the compute dtype (fsdp.py), adapters fp32
+        base_dtype = torch.float32 if cfg.lora.lora_rank == 0 else dtype
+        actor = Actor(load_pretrained(ckpt, dtype=base_dtype, device=device), actor_spec(cfg), ctx,
                       max_tokens_per_gpu=CPU_DEFAULT_TOKENS if auto else None)
         if critic_ckpt is not None:   # before the probe, which then measures with the critic (and its AdamW state)
             from furlong.train.critic import build_critic

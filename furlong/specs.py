@@ -13,6 +13,7 @@ import dataclasses
 
 from furlong.config import Config
 from furlong.engine.sampling import SamplingParams
+from furlong.lora_flags import lora_spec
 from furlong.rollout.eval import EvalSpec
 from furlong.rollout.rollout import RolloutSpec
 from furlong.train.advantages import AdvantageParams
@@ -61,7 +62,8 @@ def actor_spec(cfg: Config, total_steps: int | None = None) -> ActorSpec:
         total_steps = _run_steps(cfg, cfg.rollout.num_rollout - a.num_critic_only_steps)
     return ActorSpec(shard=shard_spec(cfg), steps=step_spec(cfg), optim=cfg.optim, loss=loss_params(cfg),
                      temperature=cfg.rollout.rollout_temperature, skip_actor_forward_only=a.skip_actor_forward_only,
-                     use_ref_model=a.use_kl_loss or a.kl_coef > 0, total_steps=total_steps)
+                     use_ref_model=a.use_kl_loss or a.kl_coef > 0, total_steps=total_steps,
+                     lora=lora_spec(cfg))
 
 
 def critic_spec(cfg: Config, total_steps: int | None = None) -> CriticSpec:

@@ -21,10 +21,13 @@ the current one, so old log-probs = the training forward's, detached
 dropout, so the two forwards would be identical.
 
 The frozen reference model (for --use-kl-loss) is a copy of the initial
-weights, sharded the same way, never trained.
+weights, sharded the same way, never trained. With LoRA (spec.lora) the base
+weights are frozen and only the adapters train (models/lora.py): the reference
+is the same model with its adapters switched off, no second copy.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -34,6 +37,8 @@ from typing import Callable
 
 import torch
 
+from furlong.models.lora import adapters_disabled, apply_lora
+from furlong.models.lora_names import resolve_targets
 from furlong.train.batching import (move_micro_batch, pack_micro_batch, padding_micro_batch, response_positions,
                                     response_slices, to_device)
 from furlong.train.optimizer_step import finish_step
@@ -80,7 +85,9 @@ class Actor:
             raise ValueError(f"Actor: unknown loss {loss!r} ({', '.join(LOSSES)})")
         self.spec, self.ctx = spec, ctx
         self.loss_fn = LOSSES[loss]
-        ref = copy.deepcopy(model) if spec.use_ref_model else None
+        if spec.lora is not None:   # before sharding: FSDP shards the adapters with their layers
+            apply_lora(model, spec.lora, resolve_targets(model, spec.lora.target_modules))
+        ref = copy.deepcopy(model) if spec.use_ref_model and spec.lora is None else None
         self.model = prepare_trainer_model(model, ctx, spec.shard).train()
         self.ref_model = None
         if ref is not None:
@@ -137,24 +144,28 @@ class Actor:
         """Response log-probs [R] (fp32, CPU) of every sample under the current ("old") or
         reference ("ref") model. Each rank computes its token-balanced share; the results are
         all-gathered so every rank returns all of them."""
-        models = {"old": self.model, "ref": self.ref_model}
+        lora_ref = self.model if self.spec.lora is not None and self.spec.use_ref_model else None
+        models = {"old": self.model, "ref": self.ref_model or lora_ref}
         model = models.get(which)
         if model is None:
             raise ValueError(f"compute_log_probs: no {which!r} model (ref needs --use-kl-loss)")
+        # the reference is the base model: LoRA's adapters off (a no-op on a full-parameter reference copy)
+        base_only = adapters_disabled(model) if which == "ref" else contextlib.nullcontext()
         lengths = [s.num_tokens for s in samples]
         split, plans = self._plan_ranks(lengths)
         zero_w = [torch.zeros(s.num_response_tokens) for s in samples]
         mine = plans[self.ctx.rank]
         num_mb = max(len(p) for p in plans)
         out: dict[int, torch.Tensor] = {}
-        for k in range(num_mb):
-            real = k < len(mine)
-            mb = pack_micro_batch(samples, zero_w, mine[k]) if real else padding_micro_batch(False, False)
-            slices = response_slices(mb, samples)  # from the host copy: no device sync
-            positions = to_device(response_positions(slices), self.ctx.device)
-            logp, _ = self._log_probs(model, move_micro_batch(mb, self.ctx.device), positions, with_entropy=False)
-            for i, (s, e) in zip(mb.sample_indices, slices):
-                out[i] = logp[s:e]
+        with base_only:
+            for k in range(num_mb):
+                real = k < len(mine)
+                mb = pack_micro_batch(samples, zero_w, mine[k]) if real else padding_micro_batch(False, False)
+                slices = response_slices(mb, samples)  # from the host copy: no device sync
+                positions = to_device(response_positions(slices), self.ctx.device)
+                logp, _ = self._log_probs(model, move_micro_batch(mb, self.ctx.device), positions, with_entropy=False)
+                for i, (s, e) in zip(mb.sample_indices, slices):
+                    out[i] = logp[s:e]
         # the root (and, without --fsdp-reshard-after-forward, every layer) stays gathered after a
         # forward (fsdp.py) and only a backward would reshard it
         reshard_all(model)

@@ -18,7 +18,9 @@ earlier one, and `checkpoint_verify.py` checks the one chosen before a run write
 Model and optimizer state go through `get_state_dict`/`set_state_dict`, so the
 files are keyed by parameter name (FQN) and can be loaded at another world size.
 The frozen reference model is not saved: it is the initial weights, re-read from
---hf-checkpoint on resume.
+--hf-checkpoint on resume. Frozen parameters are never saved: with LoRA the checkpoint
+holds only the adapters and their optimizer state (the base is --hf-checkpoint), and
+trainer.pt records the adapters' LoraSpec (`lora`) for export and eval (lora_checkpoint.py).
 
 Test hooks (`_test_hook`, read nowhere else): env FURLONG_CKPT_SLEEP_MID_SAVE=<seconds>
 sleeps after the shards are written and before the rename, so a test can kill or
@@ -27,6 +29,7 @@ at one of POINTS of that iteration's save, which no outside timing can hit exact
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import pickle
@@ -43,7 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from furlong.train.checkpoint_verify import TRACKER, iteration_path, latest_iteration, shape_mismatch
 from furlong.train.distributed import barrier
@@ -106,10 +109,19 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _state_dict_options(model: torch.nn.Module) -> StateDictOptions:
+    """Trainable parameters only (module docstring); loading then expects only those (shape_mismatch checks
+    the names first)."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
+
+
 def save_checkpoint(save_dir: str | os.PathLike, actor: Any, rollout_id: int,
-                    sampler_state: dict[str, Any] | None = None, source: str | None = None) -> Path:
+                    sampler_state: dict[str, Any] | None = None, source: str | None = None,
+                    lora: Any = None) -> Path:
     """Save after `rollout_id` finished; every rank must call. Returns the iter_* directory.
-    `source`: the HF checkpoint the run started from, recorded so `furlong export` needs no --hf-checkpoint."""
+    `source`: the HF checkpoint the run started from, recorded so `furlong export` needs no --hf-checkpoint;
+    `lora`: the LoraSpec of the actor's adapters (None: full-parameter)."""
     rank = _rank()
     _test_hook("before_save", rollout_id + 1)
     final = iter_dir(save_dir, rollout_id)
@@ -121,12 +133,13 @@ def save_checkpoint(save_dir: str | os.PathLike, actor: Any, rollout_id: int,
         tmp.mkdir()
     barrier()
     try:
-        model_sd, optim_sd = get_state_dict(actor.model, actor.optimizer)
+        model_sd, optim_sd = get_state_dict(actor.model, actor.optimizer, options=_state_dict_options(actor.model))
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         torch.save(_rng_state(), tmp / f"trainer_rank{rank}.pt")
         if rank == 0:
             torch.save({"scheduler": actor.scheduler.state_dict(), "sampler": sampler_state or {},
-                        "rollout_id": rollout_id, "hf_checkpoint": source}, tmp / "trainer.pt")
+                        "rollout_id": rollout_id, "hf_checkpoint": source,
+                        "lora": None if lora is None else dataclasses.asdict(lora)}, tmp / "trainer.pt")
     except (OSError, RuntimeError, dcp.api.CheckpointException) as e:
         raise _save_failed(e, tmp, save_dir) from e
     _test_hook("mid_save", rollout_id + 1)
@@ -168,13 +181,15 @@ def load_checkpoint(load_dir: str | os.PathLike, actor: Any, iteration: int | No
         raise ValueError(f"--load: {path} is missing or incomplete (no trainer.pt)")
     try:
         meta = torch.load(path / "trainer.pt", weights_only=False)
-        model_sd, optim_sd = get_state_dict(actor.model, actor.optimizer)
+        options = _state_dict_options(actor.model)
+        model_sd, optim_sd = get_state_dict(actor.model, actor.optimizer, options=options)
         mismatch = shape_mismatch(path, {name: tuple(t.shape) for name, t in model_sd.items()})
         if mismatch is not None:
             raise ValueError(f"--load: {path} is a checkpoint of another model: {mismatch}")
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(actor.model, actor.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(actor.model, actor.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=options)
     except ValueError:
         raise
     except (RuntimeError, KeyError, EOFError, OSError, pickle.UnpicklingError, dcp.api.CheckpointException) as e:
@@ -190,11 +205,17 @@ def load_checkpoint(load_dir: str | os.PathLike, actor: Any, iteration: int | No
 
 def load_model_weights(load_dir: str | os.PathLike, model: torch.nn.Module, iteration: int | None = None) -> int:
     """Single process, no process group: load a checkpoint's (default: the latest) model weights
-    into an unsharded `model` (export/eval). Returns the iteration loaded."""
+    into an unsharded `model` (export/eval); a LoRA checkpoint's adapters are merged into the
+    base weights `model` already holds. Returns the iteration loaded."""
     iteration = latest_iteration(load_dir) if iteration is None else iteration
     if iteration is None:
         raise ValueError(f"--load: no {TRACKER} in {load_dir}")
     path = iteration_path(load_dir, iteration)
+    from furlong.train.lora_checkpoint import lora_spec_of, merge_checkpoint_adapters
+    spec = lora_spec_of(torch.load(path / "trainer.pt", weights_only=False))
+    if spec is not None:
+        merge_checkpoint_adapters(path, model, spec)
+        return iteration
     state = {"model": dict(model.state_dict())}
     with warnings.catch_warnings():  # DCP warns that it assumes one process: that is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -34,7 +34,8 @@ def save_run(paths: CheckpointPaths, actor: Actor, critic: Critic | None, datase
     """Save after `rollout_id` into --save (every rank calls); returns the actor's iter_* directory."""
     if critic is not None:
         save_critic(paths.critic_save, critic, rollout_id)
-    return save_checkpoint(paths.save, actor, rollout_id, sampler_state=dataset.state_dict(), source=paths.source)
+    return save_checkpoint(paths.save, actor, rollout_id, sampler_state=dataset.state_dict(), source=paths.source,
+                           lora=actor.spec.lora)
 
 
 def load_run(paths: CheckpointPaths, actor: Actor, critic: Critic | None, dataset: PromptDataset,

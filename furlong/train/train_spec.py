@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from furlong.config import OptimConfig
+    from furlong.models.lora import LoraSpec
     from furlong.train.losses import LossParams
     from furlong.types import TrainSample
 
@@ -83,6 +84,7 @@ class ActorSpec:
     skip_actor_forward_only: bool | None   # None: reuse the training forward's log-probs exactly when exact
     use_ref_model: bool              # keep a frozen copy of the initial weights (KL loss or KL in the reward)
     total_steps: int                 # optimizer steps of the LR schedule
+    lora: LoraSpec | None = None     # adapters on a frozen base (--lora-rank >= 1); None: full-parameter
 
 
 @dataclass(frozen=True)
