@@ -76,6 +76,9 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool) -> RunParts:
     dataset, critic_ckpt = inputs.dataset, inputs.critic_checkpoint
 
     # 2. models
+    # --seed: the trainer's own random draws (LoRA's dropout; the rollout seeds its sampling itself); a resume
+    # then restores the state the checkpoint saved
+    torch.manual_seed(cfg.parallel.seed + ctx.rank)
     device = ctx.device
     dtype = compute_dtype(device, cfg.parallel.dtype)
     engine_model = load_pretrained(ckpt, dtype=dtype, device=device)
