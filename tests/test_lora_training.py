@@ -227,18 +227,21 @@ def _lora_flags(a: Path, out: Path, num_rollout: int, *extra: str) -> list[str]:
     return _resume_flags(a, out, num_rollout, "--lora-rank", "8", "--lora-alpha", "16", *extra)
 
 
+@pytest.mark.slow
 def test_lora_grpo_learns(assets, tmp_path, capsys):
     """The learning check of test_e2e.py's estimators, with LoRA (rank 8, all-linear) on the frozen tiny
-    model: eight rollouts must raise the share of 'e' in the responses several-fold."""
+    model: ten rollouts must raise the share of 'e' in the responses several-fold (measured: about 0.015 in
+    the first two, 0.2-0.25 from the seventh on; slow: about 5 min on a loaded 2-core CPU)."""
     out = tmp_path / "run"
-    argv = _lora_flags(assets, out, 8, "--rollout-batch-size", "8", "--n-samples-per-prompt", "8")
+    argv = _lora_flags(assets, out, 10, "--rollout-batch-size", "8", "--n-samples-per-prompt", "8",
+                       "--use-dynamic-batch-size", "--max-tokens-per-gpu", "2048")
     argv[argv.index("--custom-rm-path") + 1] = "tests.rewards_for_tests.letter_reward"
     argv[argv.index("--lr") + 1] = "3e-2"
     argv[argv.index("--rollout-max-response-len") + 1] = "8"
     assert main(argv) == 0, capsys.readouterr().err
     rewards = [r["rollout/raw_reward"] for r in read_metrics(out)]
-    first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
-    assert last > 0.2 and last > 4 * first, rewards
+    first, last = sum(rewards[:2]) / 2, sum(rewards[-3:]) / 3
+    assert last > 0.15 and last > 4 * first, rewards
 
 
 def test_lora_resume_continues_exactly(assets, tmp_path, capsys):
@@ -271,3 +274,43 @@ def test_spec_carries_the_flags():
     spec = actor_spec(tiny_config(**LORA, target_modules="q_proj, v_proj", seed=7)).lora
     assert dataclasses.astuple(spec) == (4, 16.0, 0.0, ("q_proj", "v_proj"), 7)
     assert actor_spec(tiny_config()).lora is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_engine_vs_trainer_log_prob_gap_lora_bf16(tmp_path):
+    """The merged weights in the bf16 engine vs the trainer's base + adapters: the mean |log-prob gap|
+    of sampled tokens stays as small as for full weights (both measured here, both <= 0.01)."""
+    from test_engine_gpu import NullTok
+    from tiny_checkpoints import write_tiny_checkpoint
+    from furlong.engine import Engine, EngineConfig, Request, SamplingParams
+    from furlong.types import TrainSample
+    ckpt = write_tiny_checkpoint(tmp_path / "c", vocab_size=128, hidden=64, layers=2, heads=4, kv_heads=2,
+                                 tie=False, init_std=0.05)
+    ctx = init_distributed("auto")
+    gaps = {}
+    for name, flags, base_dtype in (("full", {}, torch.float32), ("lora", LORA, torch.bfloat16)):
+        actor = Actor(load_pretrained(ckpt, dtype=base_dtype, device=ctx.device),
+                      actor_spec(tiny_config(lr=1e-2, torch_compile="off", **flags)), ctx)
+        for _ in range(3):
+            actor.train_step(synthetic_samples(LENGTHS))
+        eng = Engine(load_pretrained(ckpt, dtype=torch.bfloat16, device=ctx.device), NullTok(), [],
+                     EngineConfig(max_model_len=256, max_num_seqs=16, kv_fraction=0.02))
+        sync_weights(actor.model, eng.model, bucket_bytes=1 << 16)
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 17, 30)]
+        with torch.inference_mode():
+            out = eng.generate([Request(i, p, SamplingParams(temperature=1.0, max_new_tokens=100, ignore_eos=True),
+                                        n=4, seed=i) for i, p in enumerate(prompts)])
+        eng.release()
+        samples, engine_lp = [], []
+        for p, comps in zip(prompts, out):
+            for c in comps:
+                r = len(c.token_ids)
+                samples.append(TrainSample(token_ids=torch.tensor(p + c.token_ids), num_prompt_tokens=len(p),
+                                           advantages=torch.zeros(r), rollout_log_probs=torch.tensor(c.log_probs)))
+                engine_lp.append(torch.tensor(c.log_probs))
+        trainer_lp = actor.compute_log_probs(samples, "old")
+        gaps[name] = torch.cat([(a - b).abs() for a, b in zip(trainer_lp, engine_lp)]).mean().item()
+    print(f"engine-vs-trainer mean |log-prob gap| (bf16): full {gaps['full']:.5f}, lora {gaps['lora']:.5f}")
+    assert gaps["lora"] <= max(1.5 * gaps["full"], 2e-3) and gaps["lora"] <= 0.01, gaps

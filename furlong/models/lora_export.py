@@ -6,8 +6,8 @@ B in fp32; `peft.PeftModel.from_pretrained(base, folder)` loads it onto the tran
 the base checkpoint. target_modules is written as the adapted modules' leaf names ("q_proj") when
 those select exactly the adapted modules, else as their full HF names (a subset of layers).
 Merged: W + s B A for every adapted weight (lora.merged_state_dict), through hf_io.save_hf.
-Both replace the output folder atomically (temp folder, then rename); sharded (DTensor)
-parameters are gathered first, a collective every rank must call.
+Both replace the output folder atomically (temp folder, then rename); a sharded (DTensor)
+adapter is gathered first, a collective every rank must call.
 """
 from __future__ import annotations
 
@@ -68,15 +68,12 @@ def _replace_dir(out_dir: Path, write) -> Path:
     return out_dir
 
 
-def save_peft_adapter(model: nn.Module, spec: LoraSpec, out_dir: str | Path, base_model: str | None = None,
-                      write: bool = True) -> Path:
-    """Write `model`'s adapters as a peft LoRA folder. write=False: gather only (ranks other than the writer)."""
+def save_peft_adapter(model: nn.Module, spec: LoraSpec, out_dir: str | Path, base_model: str | None = None) -> Path:
+    """Write `model`'s adapters as a peft LoRA folder (`base_model`: adapter_config's base_model_name_or_path)."""
     tensors = {peft_key(n): _full_cpu(p).float() for n, p in adapter_state_dict(model).items()}
     if not tensors:
         raise ValueError("save_peft_adapter: the model has no LoRA adapters")
     config = adapter_config(model, spec, base_model)
-    if not write:
-        return Path(out_dir)
 
     def _write(tmp: Path) -> None:
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -145,7 +145,7 @@ class Actor:
         reference ("ref") model. Each rank computes its token-balanced share; the results are
         all-gathered so every rank returns all of them."""
         lora_ref = self.model if self.spec.lora is not None and self.spec.use_ref_model else None
-        models = {"old": self.model, "ref": self.ref_model or lora_ref}
+        models = {"old": self.model, "ref": self.ref_model if self.ref_model is not None else lora_ref}
         model = models.get(which)
         if model is None:
             raise ValueError(f"compute_log_probs: no {which!r} model (ref needs --use-kl-loss)")
