@@ -27,7 +27,7 @@ import torch
 
 from furlong.bench.measure import median_ms, peak_gib, reset_peak
 from furlong.bench.workload import load_workload
-from furlong.train.logprobs import chunked_log_probs, keep_logits_budget
+from furlong.trainer.logprobs import chunked_log_probs, keep_logits_budget
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 

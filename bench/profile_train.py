@@ -94,7 +94,7 @@ def _old_keep_logits(actor) -> None:
 
 
 def _old_addmm(actor) -> None:
-    from furlong.train import logprobs
+    from furlong.trainer import logprobs
 
     def add_after(grad_w, gz, h):
         grad_w += gz.t() @ h
@@ -134,7 +134,7 @@ class HostLead:
     """Wraps actor.finish_step to note (host seconds, CUDA event) when the host gets there."""
 
     def __init__(self):
-        from furlong.train import actor as actor_module
+        from furlong.trainer import actor as actor_module
         self.module, self.inner = actor_module, actor_module.finish_step
         self.marks: list[tuple[float, torch.cuda.Event]] = []
         actor_module.finish_step = self

@@ -42,6 +42,7 @@ class RawRow:
     label: str    # the label-key value as a string ("" without a label key)
 
 
+_ABSENT = object()   # a jsonl row without the key (None is a JSON null)
 _SLICE = re.compile(r"^(?P<path>.+)@\[(?P<a>[+-]?\d*):(?P<b>[+-]?\d*)\]$")
 
 
@@ -58,14 +59,23 @@ def parse_path_spec(path_spec: str) -> tuple[str, slice | None]:
 
 def _read_jsonl(path: Path, rows: slice, input_key: str, label_key: str | None) -> list[tuple[int, str, Any, Any]]:
     """(row index, location text, input value, label value) of the selected rows; only those are parsed."""
-    with open(path, encoding="utf-8") as f:
-        lines = [(no, line) for no, line in enumerate(f, start=1) if line.strip()]
+    with open(path, "rb") as f:
+        raw_lines = f.read().split(b"\n")
+    lines = []
+    for no, b in enumerate(raw_lines, start=1):
+        try:
+            line = b.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: line {no}: not UTF-8 text (byte {b[e.start]:#04x} at column {e.start + 1})") \
+                from None
+        if line.strip():
+            lines.append((no, line))
     out = []
     for index in range(len(lines))[rows]:
         line_no, line = lines[index]
         where = f"{path}: row {index + 1}" + (f" (line {line_no})" if line_no != index + 1 else "")
         rec = json_object(line, where, DataError)
-        out.append((index, where, rec.get(input_key), rec.get(label_key) if label_key else None))
+        out.append((index, where, rec.get(input_key, _ABSENT), rec.get(label_key, _ABSENT) if label_key else None))
     return out
 
 
@@ -99,6 +109,8 @@ def load_rows(path_spec: str, input_key: str, label_key: str | None) -> list[Raw
     """Read the rows selected by `path_spec`, checking that each has the input (and label) key."""
     path_str, rows = parse_path_spec(path_spec)
     path = Path(path_str)
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory; give a .jsonl or .parquet file")
     if not path.is_file():
         raise DataError(f"{path}: file not found")
     reader = _READERS.get(path.suffix.lower())
@@ -109,10 +121,11 @@ def load_rows(path_spec: str, input_key: str, label_key: str | None) -> list[Raw
         raise DataError(f"{path_spec}: empty data set (no rows selected)")
     out = []
     for index, where, value, label in raw:
-        if value is None:
-            raise DataError(f"{where}: missing input key {input_key!r}")
-        if label_key is not None and label is None:
-            raise DataError(f"{where}: missing label key {label_key!r}")
+        for kind, key, v in (("input", input_key, value), ("label", label_key, label)):
+            if key is not None and v is _ABSENT:
+                raise DataError(f"{where}: missing {kind} key {key!r}")
+            if key is not None and v is None:
+                raise DataError(f"{where}: {kind} key {key!r} is null")
         out.append(RawRow(row=index, raw=value, label="" if label is None else str(label)))
     return out
 

@@ -16,7 +16,7 @@ from furlong.models.lora_names import parse_target_modules
 if TYPE_CHECKING:
     from furlong.config import Config
     from furlong.models.hf_config import ModelArgs
-    from furlong.train.checkpoint_verify import CheckpointChoice
+    from furlong.checkpoint.verify import CheckpointChoice
 
 
 def check_lora_flags(cfg: Config) -> None:
@@ -63,8 +63,8 @@ def check_checkpoint_model(choice: CheckpointChoice, args: ModelArgs, cfg: Confi
     """ValueError (one line) unless the checkpoint `--load` chose holds what this run expects: for a
     training run the model of --hf-checkpoint with this run's adapters (the LoRA flags must agree with
     the checkpoint's), for `furlong eval` whatever the checkpoint records (full or adapters)."""
-    from furlong.train.checkpoint_verify import shape_mismatch
-    from furlong.train.lora_checkpoint import lora_spec_of
+    from furlong.checkpoint.verify import shape_mismatch
+    from furlong.checkpoint.lora import lora_spec_of
     saved = lora_spec_of(choice.trainer_state)
     spec = lora_spec(cfg) if training else saved
     if training and (saved is None) != (spec is None):

@@ -4,9 +4,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from furlong.train.batching import (empty_micro_batch, move_micro_batch, num_loss_tokens, pack_micro_batch,
+from furlong.trainer.batching import (empty_micro_batch, move_micro_batch, num_loss_tokens, pack_micro_batch,
                                     token_loss_weights)
-from furlong.train.planning import balance_stats, fixed_micro_batches, plan_micro_batches, split_across_ranks
+from furlong.trainer.planning import balance_stats, fixed_micro_batches, plan_micro_batches, split_across_ranks
 from furlong.types import TrainSample
 
 

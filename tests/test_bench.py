@@ -13,7 +13,7 @@ import torch
 from furlong import bench
 from furlong.models.decoder import Transformer
 from furlong.models.hf_config import ModelArgs
-from furlong.train.planning import plan_micro_batches
+from furlong.trainer.planning import plan_micro_batches
 
 SEED_WORKLOAD = Path(__file__).resolve().parents[1] / "bench" / "seed_workload.json"
 

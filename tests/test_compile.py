@@ -3,9 +3,9 @@ import torch
 
 from furlong.config import Config
 from furlong.models.hf_io import load_pretrained
-from furlong.specs import actor_spec
-from furlong.train.actor import Actor
-from furlong.train.distributed import destroy_distributed, init_distributed
+from furlong.run.specs import actor_spec
+from furlong.trainer.actor import Actor
+from furlong.launch.distributed import destroy_distributed, init_distributed
 from furlong.types import TrainSample
 from tiny_checkpoints import write_tiny_checkpoint
 

@@ -20,11 +20,11 @@ from test_e2e import _resume_flags, assets, read_metrics  # noqa: E402,F401 (ass
 from furlong.cli import main, parse_config  # noqa: E402
 from furlong.models.hf_io import load_pretrained  # noqa: E402
 from furlong.models.value_model import ValueModel  # noqa: E402
-from furlong.specs import critic_spec  # noqa: E402
-from furlong.train.batching import step_loss_weights  # noqa: E402
-from furlong.train.critic import Critic  # noqa: E402
-from furlong.train.distributed import init_distributed, launch_local  # noqa: E402
-from furlong.train.value_loss import explained_variance, value_loss  # noqa: E402
+from furlong.run.specs import critic_spec  # noqa: E402
+from furlong.trainer.batching import step_loss_weights  # noqa: E402
+from furlong.trainer.critic import Critic  # noqa: E402
+from furlong.launch.distributed import init_distributed, launch_local  # noqa: E402
+from furlong.algorithms.value_loss import explained_variance, value_loss  # noqa: E402
 from furlong.types import TrainSample  # noqa: E402
 
 

@@ -349,7 +349,7 @@ def test_sigint_to_the_launcher_stops_two_workers_gracefully(assets, tmp_path):
 
 def test_disk_full_during_a_save_is_one_line_and_keeps_the_last_checkpoint(assets, tmp_path, capsys, monkeypatch):
     import errno
-    from furlong.train import checkpoint as ckpt_mod
+    from furlong.checkpoint import store as ckpt_mod
     real_save, calls = ckpt_mod.dcp.save, []
 
     def full_disk(*args, **kwargs):

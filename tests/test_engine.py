@@ -241,8 +241,10 @@ def test_staged_decode_inputs_follow_sequences_not_object_ids(ckpt, prompts, mon
     """The runner re-stages a row's sampling inputs and block table when another sequence takes it,
     even if the new object has the old one's id (CPython reuses the address of a freed object):
     with every id() in the runner the same, a changed running set must still be re-staged."""
+    import furlong.engine.decode_inputs as decode_inputs
     import furlong.engine.model_runner as model_runner
-    monkeypatch.setattr(model_runner, "id", lambda obj: 0, raising=False)
+    for module in (model_runner, decode_inputs):
+        monkeypatch.setattr(module, "id", lambda obj: 0, raising=False)
     params = SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True)
     eng = engine(ckpt, max_num_seqs=2, decode_window=2)
     # two rows at a time: as one finishes, a waiting request takes its row with another seed and pages
@@ -252,3 +254,24 @@ def test_staged_decode_inputs_follow_sequences_not_object_ids(ckpt, prompts, mon
         alone = engine(ckpt).generate([Request(0, req_prompt, params, seed=10 + i,
                                                sample_max_new_tokens=[2 + 2 * (i % 2)])])[0][0]
         assert comps[0].token_ids == alone.token_ids, f"request {i}"
+
+
+def test_postprocess_counts_kept_tokens_and_reset_stats_starts_anew(ckpt, prompts):
+    """The scheduler's postprocess counts each kept token once (a stop string's dropped tail not
+    at all), every prefill and decode window; reset_stats hands the counts over and starts at zero
+    while the same session goes on counting."""
+    _, tok = ckpt
+    base = engine(ckpt).generate([Request(0, prompts[3], greedy(12))])[0][0]
+    stop = tok.decode(base.token_ids)[5:8]
+    eng = engine(ckpt, eos=[])
+    reqs = [Request(0, prompts[3], SamplingParams(temperature=0, max_new_tokens=12, stop=[stop])),
+            Request(1, prompts[0], greedy(9), n=2)]
+    out = eng.generate(reqs)
+    stats = eng.reset_stats()
+    assert out[0][0].finish_reason == "stop" and len(out[0][0].token_ids) < 12
+    assert stats.num_generated_tokens == sum(len(c.token_ids) for cs in out for c in cs)
+    assert stats.num_prefill_steps >= 1 and stats.num_prefill_tokens == len(prompts[3]) + len(prompts[0])
+    assert stats.num_decode_steps >= 8 and stats.num_windows >= 2 and 0 < stats.kv_utilization <= 1
+    assert eng.stats.num_generated_tokens == 0 and eng.stats.num_windows == 0
+    again = eng.generate([Request(2, prompts[1], greedy(5))])
+    assert eng.stats.num_generated_tokens == 5 == len(again[0][0].token_ids)

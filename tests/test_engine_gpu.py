@@ -91,7 +91,7 @@ def test_store_kv_matches_index_put():
 @pytest.mark.parametrize("num_chunks", [None, 1, 32])
 def test_triton_sampler_matches_reference(truncate, num_chunks):
     """Every vocabulary split gives the reference's tokens (first index on ties) and log-probs."""
-    from furlong.engine.kernels import sample_tokens
+    from furlong.engine.sample_kernels import sample_tokens
     from furlong.engine.sampling import SamplingRows, row_thresholds, sample_reference
     g = torch.Generator(device="cuda").manual_seed(7)
     rows, vocab = 64, 151936
@@ -161,7 +161,7 @@ def test_engine_greedy_equals_no_cache_loop_with_graphs():
 @torch.inference_mode()
 def test_engine_vs_trainer_log_prob_gap_bf16():
     from furlong.engine import Engine, EngineConfig, Request, SamplingParams
-    from furlong.train.logprobs import chunked_log_probs
+    from furlong.trainer.logprobs import chunked_log_probs
     # init like a real checkpoint's scale: layers std 0.02, tied embedding std 0.1, so the logits of the
     # unit-RMS final hidden state have std ~3 (a trained model's spread, entropy a few nats)
     model = small_model(torch.bfloat16, layers=4, std=0.02, embed_std=0.1)
@@ -221,10 +221,10 @@ def test_weights_after_sync_equal_the_trainers_gathered_weights(tmp_path):
     from tiny_checkpoints import write_tiny_checkpoint
     from furlong.engine import Engine, EngineConfig, Request, SamplingParams
     from furlong.models.hf_io import load_pretrained
-    from furlong.specs import actor_spec
-    from furlong.train.actor import Actor
-    from furlong.train.distributed import init_distributed
-    from furlong.train.weight_sync import sync_weights
+    from furlong.run.specs import actor_spec
+    from furlong.trainer.actor import Actor
+    from furlong.launch.distributed import init_distributed
+    from furlong.trainer.weight_sync import sync_weights
     ckpt = write_tiny_checkpoint(tmp_path / "c", vocab_size=128, hidden=64, layers=2, heads=4, kv_heads=2,
                                  tie=False, init_std=0.05)
     ctx = init_distributed("auto")

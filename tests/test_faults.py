@@ -2,7 +2,7 @@
 after a checkpoint, then resumed with --load; a damaged latest checkpoint; SIGINT during a save; and a
 table of bad inputs, each one stderr line and no files written (docs/design.md §7, §8).
 
-The kills use the FURLONG_CKPT_FAULT hook of furlong/train/checkpoint.py: a save takes milliseconds on
+The kills use the FURLONG_CKPT_FAULT hook of furlong/checkpoint/store.py: a save takes milliseconds on
 the tiny model, so no outside polling can land between, say, the rename of iter_N and the tracker
 update; the hook SIGKILLs the process exactly there. Resumes and most bad inputs run in-process
 (`furlong.cli.main`) to keep interpreter start-ups few; the killed runs and one error run are real
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
 from furlong.cli import main  # noqa: E402
-from furlong.train.checkpoint import FAULT_ENV, SLEEP_ENV  # noqa: E402
+from furlong.checkpoint.store import FAULT_ENV, SLEEP_ENV  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:   # so --custom-rm-path tests.rewards_for_tests.* imports in-process

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from furlong.train.logprobs import chunked_log_probs
+from furlong.trainer.logprobs import chunked_log_probs
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Triton kernels)")
 

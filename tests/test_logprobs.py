@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from furlong.train.logprobs import chunked_log_probs
+from furlong.trainer.logprobs import chunked_log_probs
 
 
 def naive(hidden, weight, targets, temperature):

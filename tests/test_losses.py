@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from furlong.config import Config
-from furlong.specs import loss_params
-from furlong.train.advantages import get_estimator, grpo_advantages
-from furlong.train.batching import pack_micro_batch, token_loss_weights
-from furlong.train.losses import (KL_ESTIMATORS, LossMetrics, LossParams, kl_penalty, policy_loss,
+from furlong.run.specs import loss_params
+from furlong.algorithms.advantages import get_estimator, grpo_advantages
+from furlong.trainer.batching import pack_micro_batch, token_loss_weights
+from furlong.algorithms.losses import (KL_ESTIMATORS, LossMetrics, LossParams, kl_penalty, policy_loss,
                                   rl_loss, sft_loss, tis_weights)
 from furlong.types import TrainSample
 

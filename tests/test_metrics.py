@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from furlong.metrics import MetricsLogger, format_duration, progress_line
+from furlong.run.metrics import MetricsLogger, format_duration, progress_line
 
 
 def test_jsonl_and_tensorboard(tmp_path):
@@ -55,7 +55,7 @@ def test_wandb_missing_names_the_flag(tmp_path, monkeypatch):
 
 def test_non_finite_metrics_are_written_as_null(tmp_path):
     import json as _json
-    from furlong.metrics import MetricsLogger
+    from furlong.run.metrics import MetricsLogger
     log = MetricsLogger(tmp_path)
     log.log(0, {"a": float("nan"), "b": float("inf"), "c": 1.5})
     log.close()

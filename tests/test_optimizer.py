@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from furlong.config import OptimConfig
-from furlong.train.optimizer import DECAY_STYLES, build_lr_scheduler, build_optimizer, lr_at_step
+from furlong.trainer.optimizer import DECAY_STYLES, build_lr_scheduler, build_optimizer, lr_at_step
 
 
 class Tiny(torch.nn.Module):

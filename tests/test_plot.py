@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from furlong.cli import main
-from furlong.plot import read_metrics
+from furlong.commands.plot import read_metrics
 
 
 def write_run(d, steps=6, eval_every=3):

@@ -14,10 +14,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_actor import synthetic_samples, tiny_config  # noqa: E402
 from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 from furlong.models.hf_io import load_pretrained  # noqa: E402
-from furlong.specs import actor_spec  # noqa: E402
-from furlong.train.actor import Actor  # noqa: E402
-from furlong.train.distributed import init_distributed  # noqa: E402
-from furlong.train.mfu import peak_bf16_flops  # noqa: E402
+from furlong.run.specs import actor_spec  # noqa: E402
+from furlong.trainer.actor import Actor  # noqa: E402
+from furlong.launch.distributed import init_distributed  # noqa: E402
+from furlong.trainer.mfu import peak_bf16_flops  # noqa: E402
 
 
 @pytest.fixture(scope="module")

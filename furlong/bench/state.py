@@ -17,7 +17,7 @@ from furlong.bench.report import PartReport
 from furlong.bench.workload import Workload
 from furlong.config import Config
 from furlong.models.decoder import Transformer
-from furlong.train.fsdp import compute_dtype
+from furlong.trainer.fsdp import compute_dtype
 from furlong.models.hf_config import ModelArgs
 from furlong.types import TrainSample
 
@@ -33,9 +33,10 @@ class NullTokenizer:
 class Bench:
     """Shared state of one bench run: device, seeded models (built lazily), results."""
 
-    def __init__(self, workload: Workload, seed: int = 0):
-        from furlong.train.distributed import init_distributed
+    def __init__(self, workload: Workload, seed: int = 0, kv_dtype: str = "auto"):
+        from furlong.launch.distributed import init_distributed
         self.w, self.seed = workload, seed
+        self.kv_dtype = kv_dtype          # the engine's KV cache: auto (the model's dtype) | bf16 | fp8_e4m3
         self.owns_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         self.ctx = init_distributed("auto")
         self.device = self.ctx.device
@@ -76,8 +77,8 @@ class Bench:
 
     def actor(self):
         if self._actor is None:
-            from furlong.specs import actor_spec
-            from furlong.train.actor import Actor
+            from furlong.run.specs import actor_spec
+            from furlong.trainer.actor import Actor
             self._actor = Actor(self.random_model(), actor_spec(self.config()), self.ctx)
         return self._actor
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from furlong.bench.measure import OOM_ERRORS, PartTimeout, free_memory, peak_gib, rate, reset_peak, timed
 from furlong.bench.report import BudgetResult, BudgetRow, HfTrainResult, TrainResult
 from furlong.bench.state import Bench, build_hf_model
-from furlong.train.mfu import mfu as train_mfu
+from furlong.trainer.mfu import mfu as train_mfu
 from furlong.types import TrainSample
 
 TIMED_TRAIN_STEPS = 3
@@ -30,7 +30,8 @@ TIMED_TRAIN_STEPS = 3
 
 
 def part_train(b: Bench) -> TrainResult:
-    from furlong.train.planning import balance_stats, plan_micro_batches, split_across_ranks
+    from furlong.run.specs import passes
+    from furlong.trainer.planning import balance_stats, plan_micro_batches, split_across_ranks
     actor, dev, samples = b.actor(), b.device, b.train_samples()
     lengths = [s.num_tokens for s in samples]
     num_tokens = sum(lengths)
@@ -72,7 +73,7 @@ def part_train(b: Bench) -> TrainResult:
 
     sync_s, sync_bytes, note = None, None, "ok"
     try:
-        from furlong.train.weight_sync import sync_weights
+        from furlong.trainer.weight_sync import sync_weights
         bucket = b.w.update_weight_buffer_size
         sync_weights(actor.model, b.engine(), bucket)                           # warm-up
         sync_bytes, sync_s = timed(lambda: sync_weights(actor.model, b.engine(), bucket), dev)
@@ -82,7 +83,7 @@ def part_train(b: Bench) -> TrainResult:
         note = f"weight sync unavailable: {e!r}"
     return TrainResult(
         world_size=b.ctx.world_size, num_samples=len(samples), num_tokens=num_tokens,
-        reuses_old_log_probs=actor.reuses_old_log_probs(len(samples)),
+        reuses_old_log_probs=passes(b.config()).old == "training",
         log_probs_s=logp_s, log_probs_tok_per_s=rate(num_tokens, logp_s), log_probs_peak_gib=logp_peak,
         train_step_s=train_s, train_step_s_all=train_all, train_tok_per_s=rate(num_tokens, train_s),
         train_mfu=mfu, train_peak_gib=train_peak,
@@ -119,7 +120,7 @@ def _guarded_measure(fn: Callable[[], Any], dev: torch.device, actor: Any
 def _auto_budget(b: Bench) -> tuple[int | None, str]:
     """memory_probe's budget, with the engine's weights reserved as in a colocated run."""
     try:
-        from furlong.train.memory_probe import probe_max_tokens
+        from furlong.trainer.memory_probe import probe_max_tokens
     except ImportError as e:
         return None, f"memory_probe unavailable: {e!r}"
     reserved = sum(p.numel() * p.element_size() for p in b.engine().parameters())
@@ -127,7 +128,7 @@ def _auto_budget(b: Bench) -> tuple[int | None, str]:
 
 
 def part_budget(b: Bench) -> BudgetResult:
-    from furlong.train.planning import plan_micro_batches
+    from furlong.trainer.planning import plan_micro_batches
     actor, dev, samples = b.actor(), b.device, b.train_samples()
     lengths = [s.num_tokens for s in samples]
     num_tokens, rows = sum(lengths), []

@@ -31,6 +31,7 @@ member's pages), so the CPU tests check the grouping against the no-cache refere
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -46,6 +47,13 @@ class PrefixGroups:
     group_prefix: torch.Tensor   # [G] int32, each group's shared prompt tokens (0: unused slot)
 
 
+class GroupPlan(NamedTuple):
+    """Who reads whose prompt in one running set, as host lists (PrefixGroups is its device form)."""
+    prefix_lens: list[int]       # [B] tokens at a row's start that its group reads (0: not grouped)
+    groups: list[list[int]]      # [G][2..members] each group's rows; the first one's block table is read
+    prefixes: list[int]          # [G] each group's shared prompt tokens
+
+
 def cascade_members(num_heads: int, num_kv_heads: int) -> int:
     """Rows one group program serves: as many as fill its query tile (16 rows, or the next power of
     two above the GQA group); 1 means cascade cannot share anything."""
@@ -55,10 +63,10 @@ def cascade_members(num_heads: int, num_kv_heads: int) -> int:
 
 
 def plan_groups(seqs: list[Sequence], members: int, min_prefix: int = 1, max_groups: int | None = None
-                ) -> tuple[list[int], list[list[int]], list[int]]:
-    """(prefix_lens [B], group rows [G][<= members], group prefixes [G]) for the decode rows `seqs`:
-    groups of 2..members rows whose shared prompt has at least `min_prefix` tokens, at most
-    `max_groups` of them (the largest first); rows left out read their whole context themselves."""
+                ) -> GroupPlan:
+    """The groups of the decode rows `seqs`: groups of 2..members rows whose shared prompt has at least
+    `min_prefix` tokens, at most `max_groups` of them (the largest first); rows left out read their whole
+    context themselves."""
     by_request: dict[int, list[int]] = {}
     for row, s in enumerate(seqs):
         if s.num_preemptions == 0 and s.num_prompt_tokens >= min_prefix:
@@ -76,12 +84,16 @@ def plan_groups(seqs: list[Sequence], members: int, min_prefix: int = 1, max_gro
         for r in part:
             prefix_lens[r] = p
         prefixes.append(p)
-    return prefix_lens, groups, prefixes
+    return GroupPlan(prefix_lens, groups, prefixes)
 
 
-def group_arrays(plan: tuple[list[int], list[list[int]], list[int]], rows: int, members: int
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """plan_groups' lists as the decode buffers' host arrays over `rows` padded rows:
+def no_groups(num_rows: int) -> GroupPlan:
+    """Cascade off: every row reads its whole context itself."""
+    return GroupPlan([0] * num_rows, [], [])
+
+
+def group_arrays(plan: GroupPlan, rows: int, members: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A plan as the decode buffers' host arrays over `rows` padded rows:
     (prefix_lens [rows], group_rows [rows, members] -1 padded, group_prefix [rows]), int32."""
     prefix_lens, groups, prefixes = plan
     lens = np.zeros(rows, dtype=np.int32)
@@ -96,10 +108,12 @@ def group_arrays(plan: tuple[list[int], list[list[int]], list[int]], rows: int, 
 
 def cascade_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                                 block_tables: torch.Tensor, context_lens: torch.Tensor,
-                                groups: PrefixGroups) -> torch.Tensor:
+                                groups: PrefixGroups, key_scales: torch.Tensor | None = None,
+                                value_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Exact decode attention where row b reads positions < prefix_lens[b] through its group's first
     member's block table and the rest through its own. q [B, Hq, D]; keys/values [P, Hkv, page, D]
-    -> [B, Hq, D] (zeros where context_lens is 0). One host sync: CPU and tests only."""
+    (fp8: dequantised with key/value_scales [P, Hkv, page]) -> [B, Hq, D] (zeros where context_lens
+    is 0). One host sync: CPU and tests only."""
     num_rows, page = q.shape[0], keys.shape[2]
     longest = int(context_lens.max()) if num_rows else 0
     if longest == 0:
@@ -116,6 +130,9 @@ def cascade_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: tor
     offs = (pos % page)[None, :].expand(num_rows, -1)
     k = keys[pages, :, offs].permute(0, 2, 1, 3)                             # [B, Hkv, L, D]
     v = values[pages, :, offs].permute(0, 2, 1, 3)
+    if key_scales is not None:
+        k = (k.float() * key_scales[pages, :, offs].transpose(1, 2)[..., None]).to(q.dtype)
+        v = (v.float() * value_scales[pages, :, offs].transpose(1, 2)[..., None]).to(q.dtype)
     visible = pos[None, :] < context_lens[:, None].long()
     empty = context_lens == 0
     visible[:, 0] |= empty                    # keep all-masked rows finite; zeroed below

@@ -1,10 +1,12 @@
 """Continuous batching: which sequences run the next engine step.
 
 Plain Python over the BlockManager; no tensors. Each `schedule()` returns one
-of two plans:
+of two plans, and `postprocess` takes what the model runner sampled for it:
 
   Prefill  waiting work admitted in FIFO order while it fits: a new request
-           (its prompt prefilled once, then forked into n samples) or a
+           (its prompt prefilled once, then forked into n samples: their
+           tables are made at admission, the runner copies the last partial
+           page after the prefill) or a
            preempted sequence (its whole token list re-prefilled). Admission
            needs pages for the prompt, the copied last pages of the fork, and
            one decode window of head-room per sample, plus a free running slot
@@ -17,6 +19,9 @@ of two plans:
            the host); when pages run out, the most recently admitted sequence
            is preempted: its pages are freed and it waits at the head of the
            queue to be re-prefilled (recompute, as vLLM's default).
+  postprocess  prefilled sequences join the running set; each row keeps its
+           new tokens up to its first stop (stop.py); finished rows leave and
+           free their pages; the step is counted in the engine's stats.
 """
 from __future__ import annotations
 
@@ -25,13 +30,16 @@ from collections import deque
 from dataclasses import dataclass
 
 from furlong.engine.block_manager import BlockManager, pages_for
-from furlong.engine.sequence import Request, Sequence, Status, new_sequences
+from furlong.engine.sequence import Request, Sequence, Status, StepOutput, new_sequences
+from furlong.engine.stats import EngineStats
+from furlong.engine.stop import StopRules
 
 
 @dataclass
 class PrefillItem:
     sequences: list[Sequence]    # [n] forks of one prompt, or one resumed sequence
     token_ids: list[int]         # tokens to prefill (prompt, or a resumed sequence's tokens)
+    page_copies: list[tuple[int, int]]   # (src, dst) pages: the fork's copied last page, after the prefill
 
 
 @dataclass
@@ -39,12 +47,15 @@ class Plan:
     prefill: list[PrefillItem]   # non-empty: a prefill step
     decode: list[Sequence]       # non-empty: a decode window over these rows
     window: int                  # decode steps in this window
+    kv_used: float = 0.0         # decode: used / usable pages once the window's pages are taken
 
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_prefill_tokens: int, window: int,
-                 max_model_len: int, min_admit: int = 1):
+                 max_model_len: int, stop_rules: StopRules, stats: EngineStats, min_admit: int = 1):
         self.blocks = blocks
+        self.stop_rules = stop_rules
+        self.stats = stats                        # counted into; the engine owns and resets it
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
         self.window = window
@@ -52,7 +63,6 @@ class Scheduler:
         self.min_admit = min_admit
         self.waiting: deque[Request | Sequence] = deque()
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
         self.active_ids: dict[int, int] = {}      # request id -> samples not yet finished
         self._serials = itertools.count()         # Sequence.serial of each admission
 
@@ -109,12 +119,18 @@ class Scheduler:
             if isinstance(item, Request):
                 seqs = new_sequences(item)
                 self.blocks.grow(seqs[0].block_table, len(item.prompt_ids))
-                out.append(PrefillItem(sequences=seqs, token_ids=list(item.prompt_ids)))
+                out.append(PrefillItem(sequences=seqs, token_ids=list(item.prompt_ids), page_copies=[]))
             else:
                 self.blocks.grow(item.block_table, item.num_tokens)
-                out.append(PrefillItem(sequences=[item], token_ids=list(item.token_ids)))
+                out.append(PrefillItem(sequences=[item], token_ids=list(item.token_ids), page_copies=[]))
             for s in out[-1].sequences:
                 s.serial = next(self._serials)
+        for item in out:          # after every prompt's own pages, as when the fork followed the prefill
+            seqs = item.sequences
+            if len(seqs) > 1:
+                tables, item.page_copies = self.blocks.fork(seqs[0].block_table, len(item.token_ids), len(seqs))
+                for s, t in zip(seqs, tables):
+                    s.block_table = t
         return out
 
     def schedule(self) -> Plan | None:
@@ -140,7 +156,8 @@ class Scheduler:
             if victim is seq and i == 0:
                 raise RuntimeError(f"scheduler: one sequence ({seq.num_tokens} tokens) does not fit the KV cache")
             self.preempt(victim)
-        return Plan(prefill=[], decode=list(self.running), window=window)
+        used = self.blocks.num_used / max(self.blocks.num_blocks - 1, 1)
+        return Plan(prefill=[], decode=list(self.running), window=window, kv_used=used)
 
     def start(self, seqs: list[Sequence]) -> None:
         """Prefilled sequences join the running set."""
@@ -153,8 +170,35 @@ class Scheduler:
         self.blocks.release(seq.block_table)
         seq.status = Status.WAITING
         seq.num_preemptions += 1
-        self.num_preemptions += 1
+        self.stats.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def postprocess(self, plan: Plan, out: StepOutput) -> list[Sequence]:
+        """Take the plan's sampled tokens (a row per sequence, in plan order); returns the sequences
+        that finished in this step."""
+        seqs = [s for item in plan.prefill for s in item.sequences] if plan.prefill else plan.decode
+        if plan.prefill:
+            self.start(seqs)
+        done, kept = [], 0
+        for seq, toks, lps in zip(seqs, out.tokens, out.log_probs):
+            before = seq.num_generated
+            reason = self.stop_rules.append(seq, toks, lps)
+            kept += seq.num_generated - before
+            if reason is not None:
+                self.finish(seq, reason)
+                done.append(seq)
+        st = self.stats
+        st.num_generated_tokens += kept
+        if plan.prefill:
+            st.num_prefill_steps += 1
+            st.num_prefill_tokens += sum(len(item.token_ids) for item in plan.prefill)
+        else:
+            st.kv_used_sum += plan.kv_used
+            st.num_windows += 1
+            st.num_decode_steps += plan.window
+            st.num_decode_rows += plan.window * len(plan.decode)
+            st.num_grouped_rows += plan.window * out.num_grouped_rows
+        return done
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq in self.running:

@@ -41,6 +41,14 @@ class Completion:
     finish_reason: str               # "stop" | "length" | "abort"
 
 
+@dataclass
+class StepOutput:
+    """What one engine step sampled, per row of its plan (model runner -> scheduler)."""
+    tokens: list[list[int]]          # [B][window] sampled tokens (window 1 for a prefill)
+    log_probs: list[list[float]]     # [B][window]
+    num_grouped_rows: int = 0        # rows that read their prompt's KV through a cascade group
+
+
 @dataclass(eq=False)
 class Sequence:
     request: Request

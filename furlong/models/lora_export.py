@@ -6,8 +6,9 @@ B in fp32; `peft.PeftModel.from_pretrained(base, folder)` loads it onto the tran
 the base checkpoint. target_modules is written as the adapted modules' leaf names ("q_proj") when
 those select exactly the adapted modules, else as their full HF names (a subset of layers).
 Merged: W + s B A for every adapted weight (lora.merged_state_dict), through hf_io.save_hf.
-Both replace the output folder atomically (temp folder, then rename); a sharded (DTensor)
-adapter is gathered first, a collective every rank must call.
+Both write a temporary folder and move it in by safe_paths' rules (into a non-empty target only the
+checkpoint's own files are replaced); a sharded (DTensor) adapter is gathered first, a collective
+every rank must call.
 """
 from __future__ import annotations
 
@@ -50,18 +51,16 @@ def adapter_config(model: nn.Module, spec: LoraSpec, base_model: str | None) -> 
 
 
 def _replace_dir(out_dir: Path, write) -> Path:
+    """As hf_io.save_hf: written in a temporary folder, then moved in (safe_paths.install_checkpoint)."""
+    from furlong.safe_paths import install_checkpoint, remove_stale_temps, temp_prefix
+    out_dir = out_dir.resolve()   # a symlink's target receives the folder; the link stays
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    remove_stale_temps(out_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out_dir), dir=out_dir.parent))
     os.chmod(tmp, 0o755)
     try:
         write(tmp)
-        old = None
-        if out_dir.exists():
-            old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-            os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        install_checkpoint(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

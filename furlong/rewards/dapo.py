@@ -22,7 +22,7 @@ every space, turns `\\text{and}` into a comma); delete the unit words and LaTeX
 leftovers of _REMOVED in order; keep only the first `$...$` span of a line;
 unwrap `\\text{}`, `\\textbf{}`, `\\overline{}` and `\\boxed{}`; write `\\fracab`
 as `\\frac{a}{b}` and `\\sqrta` as `\\sqrt{a}`; drop `$`; drop the commas of a
-comma-grouped integer (`1,000` -> `1000`); strip.
+comma-grouped integer (`1,000` -> `1000`, `-1,000` -> `-1000`); strip.
 
 Deliberate deviations, on labels miles cannot score right: a label that is not a
 number (miles raises ValueError) or not a whole number (miles truncates it, so
@@ -59,6 +59,9 @@ _UNWRAP_RES = tuple(re.compile(p) for p in (r"\\text\{(.*?)\}", r"\\textbf\{(.*?
 _FRAC_SHORTHAND_RE = re.compile(r"frac([^{])(.)")
 _SQRT_SHORTHAND_RE = re.compile(r"sqrt([^{])")
 _PLAIN_INT_RE = re.compile(r"[+-]?\d+")
+# A comma-grouped integer, optionally negative (miles drops the commas only when the rest is all
+# digits, so "-1,000" keeps them and never equals "-1000": a miles bug, not followed).
+_GROUPED_INT_RE = re.compile(r"-?[\d,]*\d[\d,]*")
 
 
 def normalize_final_answer(answer: str) -> str:
@@ -74,7 +77,7 @@ def normalize_final_answer(answer: str) -> str:
     s = _FRAC_SHORTHAND_RE.sub(r"frac{\1}{\2}", s)
     s = _SQRT_SHORTHAND_RE.sub(r"sqrt{\1}", s)
     s = s.replace("$", "")
-    if s.replace(",", "").isdigit():
+    if _GROUPED_INT_RE.fullmatch(s.strip()):   # 1,000 and -1,000 alike
         s = s.replace(",", "")
     return s.strip()
 

@@ -1,0 +1,37 @@
+"""The engine's counters: what its steps did since the last `Engine.reset_stats` (logged per rollout)."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineStats:
+    num_prefill_steps: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_steps: int = 0
+    num_decode_rows: int = 0          # sum over decode steps of running rows
+    num_grouped_rows: int = 0         # of those, rows that read their prompt's KV once per group (cascade)
+    num_generated_tokens: int = 0     # kept tokens (after stops), all sequences
+    num_preemptions: int = 0
+    kv_used_sum: float = 0.0          # sum over decode windows of used/total pages
+    num_windows: int = 0
+    seconds: float = 0.0
+
+    @property
+    def mean_batch(self) -> float:
+        return self.num_decode_rows / max(self.num_decode_steps, 1)
+
+    @property
+    def grouped_fraction(self) -> float:
+        return self.num_grouped_rows / max(self.num_decode_rows, 1)
+
+    @property
+    def kv_utilization(self) -> float:
+        return self.kv_used_sum / max(self.num_windows, 1)
+
+    def take(self) -> EngineStats:
+        """The counters so far; starts them anew (the scheduler keeps counting into this object)."""
+        old = copy.copy(self)
+        self.__dict__.update(EngineStats().__dict__)
+        return old

@@ -1,0 +1,181 @@
+"""The RL loop of docs/design.md §2, top to bottom.
+
+Every rank runs this same loop. Rollout is data-parallel (each rank generates
+its share of prompt groups, then all ranks exchange them), so every rank holds
+the same kept groups; the actor then splits the samples token-balanced across
+ranks for training. Only rank 0 writes files.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import torch
+
+from furlong.config import Config
+from furlong.run.metrics import Progress, progress_line, write_samples
+from furlong.rollout.eval import run_eval
+from furlong.run.setup import RunParts, build_run
+from furlong.launch.failure import Position
+from furlong.launch.signals import StopRequest
+from furlong.run.specs import checkpoint_paths, eval_spec, step_settings
+from furlong.run.step import StageClock, rl_step
+from furlong.trainer.mfu import mfu
+from furlong.trainer.nonfinite import NonFiniteGuard
+from furlong.checkpoint.run import save_run
+from furlong.types import DistContext
+
+
+@dataclass
+class CiChecker:
+    """--ci-test: some eval must reach the threshold; step 0's ppo_kl must be ~0 unless disabled."""
+    key: str | None
+    threshold: float | None
+    check_kl: bool
+    best: float | None = None
+
+    def observe(self, metrics: dict[str, float]) -> None:
+        if self.key is not None and self.key in metrics:
+            v = metrics[self.key]
+            self.best = v if self.best is None else max(self.best, v)
+
+    def check_first_step_kl(self, ppo_kl: float) -> None:
+        # With old log-probs from the same weights the ratio is exactly 1 at the first micro-batch.
+        if self.check_kl and abs(ppo_kl) > 1e-6:
+            raise CiFailure(f"--ci-test: ppo_kl at step 0 is {ppo_kl:.3g}, expected 0 "
+                            "(old and new log-probs disagree; --ci-disable-kl-checker skips this)")
+
+    def final(self) -> None:
+        if self.key is None:
+            return
+        if self.best is None:
+            raise CiFailure(f"--ci-metric-checker-key: no eval produced {self.key!r}")
+        if self.best < self.threshold:
+            raise CiFailure(f"--ci-test: best {self.key} = {self.best:.4f} < threshold {self.threshold}")
+
+
+class CiFailure(RuntimeError):
+    pass
+
+
+def _run_evals(parts: RunParts, rollout_id: int) -> dict[str, float]:
+    spec, out = eval_spec(parts.cfg), {}
+    for name, prompts in parts.eval_sets:
+        t = time.perf_counter()
+        n = spec.n_samples_per_prompt
+        parts.logger.line(f"[eval {name}] generating {len(prompts)} prompts x {n} samples ...")
+        try:
+            res = run_eval(name, prompts, parts.engine, parts.reward_fn, spec.sampling, n, parts.ctx)
+        finally:
+            parts.engine.release()   # as after a rollout
+        parts.logger.line(f"[eval {name}] {res.score:.3f} ({res.num_samples} samples, {time.perf_counter() - t:.1f}s)")
+        out[f"eval/{name}"] = res.score
+        if parts.ctx.rank == 0:
+            write_samples(parts.output_dir, name, rollout_id, res.samples)
+    return out
+
+
+def _save(parts: RunParts, rollout_id: int) -> None:
+    t = time.perf_counter()
+    path = save_run(checkpoint_paths(parts.cfg), parts.actor, parts.critic, parts.dataset, rollout_id)
+    parts.logger.line(f"saved checkpoint {path} (after rollout {rollout_id + 1}, {time.perf_counter() - t:.1f}s)")
+
+
+def run_rl(cfg: Config, ctx: DistContext, position: Position | None = None) -> int:
+    """`position`: where this rank is (launch/failure.py names it if the run fails); a fresh one if None."""
+    position = position or Position(rank=ctx.rank)
+    parts = build_run(cfg, ctx, with_actor=True)   # validates every input before anything is written
+    logger = parts.logger
+    ci = CiChecker(cfg.log.ci_metric_checker_key if cfg.log.ci_test else None,
+                   cfg.log.ci_metric_checker_threshold,
+                   cfg.log.ci_test and not cfg.log.ci_disable_kl_checker and not cfg.algo.use_rollout_logprobs)
+    num_rollout = cfg.rollout.num_rollout
+    progress = Progress(num_rollout, start_step=parts.start_rollout)
+
+    if parts.eval_sets and not cfg.eval.skip_eval_before_train and parts.start_rollout == 0:
+        t = time.perf_counter()
+        m = _run_evals(parts, -1)
+        ci.observe(m)
+        logger.log(0, {**m, "perf/eval_time": time.perf_counter() - t}, kind="eval")
+        logger.line("[eval before training] " + " | ".join(f"{k} {v:.3f}" for k, v in m.items()))
+
+    with StopRequest() as stop:
+        code = _rollouts(parts, ci, progress, stop, position)
+    if code:
+        logger.close()
+        return code
+    if cfg.ckpt.save is not None and num_rollout > parts.start_rollout and not (
+            cfg.ckpt.save_interval and num_rollout % cfg.ckpt.save_interval == 0):
+        with position.stage("save", num_rollout - 1):
+            _save(parts, num_rollout - 1)   # always leave the final state on disk
+    logger.close()
+    ci.final()
+    return 0
+
+
+def _rollouts(parts: RunParts, ci: "CiChecker", progress: Progress, stop: StopRequest, position: Position) -> int:
+    """The RL steps; 0, or 128 + signal when a SIGINT/SIGTERM stopped the run after a whole step."""
+    cfg, ctx, logger = parts.cfg, parts.ctx, parts.logger
+    num_rollout, eval_every = cfg.rollout.num_rollout, cfg.eval.eval_interval
+    settings = step_settings(cfg)
+    skips = NonFiniteGuard(cfg.optim.max_nonfinite_skips)
+    for rollout_id in range(parts.start_rollout, num_rollout):
+        clock = StageClock(position, rollout_id)
+        step = rl_step(parts, settings, rollout_id, clock)    # rollout ... weight sync (run/step.py)
+        metrics = step.metrics
+        if step.train is not None and rollout_id == cfg.algo.num_critic_only_steps:
+            ci.check_first_step_kl(step.train.ppo_kl)
+        if cfg.log.save_debug_rollout_data and ctx.rank == 0:
+            write_samples(parts.output_dir, "train", rollout_id, step.batch.samples, prefix="rollout")
+        if eval_every is not None and parts.eval_sets and (rollout_id + 1) % eval_every == 0:
+            m = clock.run("eval", _run_evals, parts, rollout_id)
+            ci.observe(m)
+            metrics.update(m)
+        metrics.update(clock.seconds)
+        # the name miles' dashboards read: both log-prob passes (0 when the training forward supplies them)
+        metrics["perf/log_probs_time"] = (clock.seconds.get("perf/old_log_probs_time", 0.0)
+                                          + clock.seconds.get("perf/ref_log_probs_time", 0.0))
+        metrics["perf/step_time"] = clock.elapsed()
+        if step.train is not None:
+            t_train, num_train_tokens = clock.seconds["perf/actor_train_time"], sum(s.num_tokens for s in step.samples)
+            metrics["perf/actor_train_tok_per_s"] = num_train_tokens / max(t_train, 1e-9)
+            # 6*N FLOPs per token over the peak of the GPUs in use (trainer/mfu.py)
+            metrics["perf/actor_train_mfu"] = mfu(parts.num_params, num_train_tokens, t_train, ctx.device,
+                                                  ctx.world_size)
+        if torch.cuda.is_available():
+            metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            torch.cuda.reset_peak_memory_stats()
+        # The metrics line is on disk before the checkpoint's tracker moves past this rollout: a crash
+        # between the two repeats the line on resume (cut back then), never loses it.
+        logger.log(rollout_id, metrics)
+        if "train/num_steps" in metrics:   # --max-nonfinite-skips, once the step's line is on disk
+            skips.observe(int(metrics["train/num_steps"]), int(metrics["train/num_skipped_steps"]),
+                          f"rollout {rollout_id + 1}")
+        logger.line(progress_line(rollout_id, num_rollout, metrics, progress.eta(rollout_id + 1)))
+        saved = cfg.ckpt.save is not None and cfg.ckpt.save_interval and (rollout_id + 1) % cfg.ckpt.save_interval == 0
+        if saved:
+            with position.stage("save", rollout_id):
+                _save(parts, rollout_id)
+        signum = stop.agreed(ctx.world_size, ctx.device)
+        if signum:
+            if cfg.ckpt.save is not None and not saved:
+                with position.stage("save", rollout_id):
+                    _save(parts, rollout_id)
+            logger.line(f"furlong: stopped by signal {signum} after rollout {rollout_id + 1}/{num_rollout}"
+                        + (f"; resume with --load {cfg.ckpt.save}" if cfg.ckpt.save is not None else ""))
+            return 128 + signum
+    return 0
+
+
+def run_eval_only(cfg: Config, ctx: DistContext) -> int:
+    """`furlong eval`: the eval sets of --eval-prompt-data on --hf-checkpoint."""
+    if not cfg.eval.eval_prompt_data:
+        raise ValueError("--eval-prompt-data: required for furlong eval")
+    parts = build_run(cfg, ctx, with_actor=False)
+    m = _run_evals(parts, -1)
+    parts.logger.log(0, m, kind="eval")
+    if ctx.rank == 0:
+        print(json.dumps(m))
+    parts.logger.close()
+    return 0

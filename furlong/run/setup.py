@@ -1,0 +1,160 @@
+"""Builds the parts of a run from a Config: inputs first, then models, then outputs.
+
+Order matters for the "nothing written half-way" rule: step 1 (preflight.check_inputs) checks
+every input before the output directory is created; step 2 loads the models, step 3 opens the
+outputs and, on --load, restores the checkpoint. The result, `RunParts`, is plain data the loop
+reads; what the loop does with it (rollout, train, sync, save) is spelled out in loop.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from furlong.config import Config
+from furlong.run.metrics import MetricsLogger
+from furlong.run.identity import prepare_run_dirs, run_record
+from furlong.run.preflight import check_inputs
+from furlong.seeding import seed_everything
+from furlong.launch.distributed import barrier
+from furlong.trainer.fsdp import compute_dtype
+from furlong.types import DistContext, Prompt, Sample
+
+if TYPE_CHECKING:   # the engine and trainer modules are imported when a run builds them, not at import
+    from transformers import PreTrainedTokenizerBase
+
+    from furlong.data import PromptDataset
+    from furlong.engine import Engine
+    from furlong.rollout.filters import GroupFilter
+    from furlong.trainer.actor import Actor
+    from furlong.trainer.critic import Critic
+
+
+def eos_token_ids(path: Path, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """EOS ids: the tokenizer's eos plus generation_config.json's (Qwen lists several)."""
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        e = json.loads(gen.read_text()).get("eos_token_id")
+        for x in (e if isinstance(e, list) else [e]):
+            if x is not None and int(x) not in ids:
+                ids.append(int(x))
+    return ids
+
+
+
+@dataclass
+class RunParts:
+    """Everything one rank's run reads; built once by build_run, no behaviour of its own."""
+    cfg: Config
+    ctx: DistContext
+    output_dir: Path
+    logger: MetricsLogger
+    dataset: PromptDataset | None              # training prompts (None for `furlong eval`)
+    eval_sets: list[tuple[str, list[Prompt]]]  # (name, prompts) per eval set
+    engine: Engine                             # the rollout engine, with its own model copy
+    reward_fn: Callable[[Sample], float]
+    filter_fn: GroupFilter | None              # --dynamic-sampling-filter-path
+    actor: Actor | None                        # None for `furlong eval`
+    start_rollout: int                         # first rollout id to run (after a resume: the next one)
+    num_params: int                            # the policy's parameter count (MFU)
+    critic: Critic | None = None               # ppo only
+
+
+def build_run(cfg: Config, ctx: DistContext, with_actor: bool) -> RunParts:
+    from furlong.engine import Engine, EngineConfig
+    from furlong.models.hf_io import load_pretrained
+
+    # 1. inputs (nothing written yet)
+    seed_everything(cfg.parallel.seed)   # also LoRA's dropout draws (models/lora.py); a resume restores the saved state
+    inputs = check_inputs(cfg, with_actor)
+    ckpt, tokenizer, max_resp, resume, out = (inputs.hf_checkpoint, inputs.tokenizer, inputs.max_response_len,
+                                              inputs.resume, inputs.output_dir)
+    dataset, critic_ckpt = inputs.dataset, inputs.critic_checkpoint
+
+    # 2. models
+    device = ctx.device
+    dtype = compute_dtype(device, cfg.parallel.dtype)
+    engine_model = load_pretrained(ckpt, dtype=dtype, device=device)
+    if resume is not None and not with_actor:   # furlong eval --load: score the trained weights
+        from furlong.checkpoint.store import load_model_weights
+        load_model_weights(cfg.ckpt.load, engine_model, resume.iteration)
+    num_params = sum(p.numel() for p in engine_model.parameters())
+    r = cfg.rollout
+    max_prompt_len = max(len(p.token_ids) for p in inputs.prompts())
+    engine = Engine(engine_model, tokenizer, eos_token_ids(ckpt, tokenizer), EngineConfig(
+        kv_fraction=r.rollout_kv_fraction, max_num_seqs=r.rollout_max_num_seqs,
+        decode_window=r.rollout_decode_window, max_model_len=max_prompt_len + max_resp,
+        use_cuda_graphs=not r.rollout_enforce_eager, cascade=not r.rollout_no_cascade,
+        kv_dtype=r.rollout_kv_dtype))
+    actor = critic = None
+    if with_actor:
+        from furlong.trainer.actor import Actor
+        from furlong.trainer.memory_probe import CPU_DEFAULT_TOKENS, probe_max_tokens
+        from furlong.run.specs import actor_spec, critic_spec
+        auto = cfg.max_tokens_per_gpu_is_auto
+        # full-parameter: fp32 masters; LoRA: the frozen base in the compute dtype (fsdp.py), adapters fp32
+        base_dtype = torch.float32 if cfg.lora.lora_rank == 0 else dtype
+        actor = Actor(load_pretrained(ckpt, dtype=base_dtype, device=device), actor_spec(cfg), ctx,
+                      max_tokens_per_gpu=CPU_DEFAULT_TOKENS if auto else None)
+        if critic_ckpt is not None:   # before the probe, which then measures with the critic (and its AdamW state)
+            from furlong.trainer.critic import build_critic
+            critic = build_critic(critic_spec(cfg), ctx, critic_ckpt,
+                                  max_tokens_per_gpu=CPU_DEFAULT_TOKENS if auto else None)
+        if auto:   # measured with the engine's weights already resident, as in every later step
+            reserved = sum(p.numel() * p.element_size() for p in engine_model.parameters())
+            actor.max_tokens_per_gpu = probe_max_tokens(actor, reserved_bytes=reserved)
+            if critic is not None:   # its activations per token are the actor's minus the log-prob chunks
+                critic.max_tokens_per_gpu = actor.max_tokens_per_gpu
+            if ctx.rank == 0:
+                print(f"--max-tokens-per-gpu auto: chose {actor.max_tokens_per_gpu} tokens", flush=True)
+
+    # 3. outputs (rank 0 writes), once every rank has passed step 1: a slow rank's check of --output-dir
+    # must not find the metrics.jsonl that rank 0's logger has just opened
+    barrier()
+    logger_enabled = ctx.rank == 0
+    if logger_enabled:
+        prepare_run_dirs(inputs.run_dirs)   # --overwrite's clearing, and the run id in each directory
+        # a fresh start under --load (nothing saved yet: preflight.nothing_saved_yet) drops the lines of the
+        # attempt that died before its first save, so each rollout is logged once
+        fresh_restart = cfg.ckpt.load is not None and resume is None and with_actor
+        if fresh_restart and (out / "metrics.jsonl").exists():
+            (out / "metrics.jsonl").unlink()
+        (out / "config.json").write_text(json.dumps(run_record(cfg, inputs.run_dirs.run_id), indent=1, default=str))
+    wandb = None
+    if cfg.log.use_wandb and logger_enabled:
+        if cfg.log.wandb_key:
+            os.environ["WANDB_API_KEY"] = cfg.log.wandb_key
+        name = out.name if cfg.log.disable_wandb_random_suffix else f"{out.name}-{os.urandom(3).hex()}"
+        wandb = {"project": cfg.log.wandb_project, "group": cfg.log.wandb_group, "name": name,
+                 "config": cfg.to_dict()}
+    logger = MetricsLogger(out, enabled=logger_enabled, use_tensorboard=cfg.log.use_tensorboard,
+                           wandb_settings=wandb)
+    logger.line(f"run directory: {out}")
+    if inputs.filter_fn is not None and dataset is not None:   # the bound of rollout.py, said up front
+        from furlong.rollout.rollout import give_up_rule
+        from furlong.run.specs import rollout_spec
+        logger.line(give_up_rule(rollout_spec(cfg), len(dataset), inputs.filter_fn.name))
+    if resume is not None and not with_actor:
+        logger.line(f"evaluating iteration {resume.iteration} of {cfg.ckpt.load} ({resume.path})")
+
+    start_rollout = 0
+    if resume is not None and actor is not None:
+        from furlong.run.specs import checkpoint_paths
+        from furlong.checkpoint.run import load_run
+        from furlong.trainer.weight_sync import sync_weights
+        state = load_run(checkpoint_paths(cfg), actor, critic, dataset, resume.iteration)
+        start_rollout = state.next_rollout_id
+        sync_weights(actor.model, engine.model, cfg.batch.update_weight_buffer_size)
+        dropped = logger.cut_back(state.rollout_id)
+        logger.line(f"resumed from iteration {resume.iteration} ({state.path}; rollout {state.rollout_id + 1} "
+                    f"done); {dropped} metrics line(s) after it dropped from {out / 'metrics.jsonl'}")
+    return RunParts(cfg=cfg, ctx=ctx, output_dir=out, logger=logger, dataset=dataset, eval_sets=inputs.eval_sets,
+                    engine=engine, reward_fn=inputs.reward_fn, filter_fn=inputs.filter_fn, actor=actor,
+                    start_rollout=start_rollout, num_params=num_params, critic=critic)
