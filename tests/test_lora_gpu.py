@@ -9,7 +9,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_actor import synthetic_samples, tiny_config  # noqa: E402
+from test_actor import synthetic_samples, tiny_config, train_rollout  # noqa: E402
 from test_lora_training import LENGTHS, LORA  # noqa: E402
 
 from furlong.launch.distributed import init_distributed  # noqa: E402
@@ -33,10 +33,10 @@ def test_engine_vs_trainer_log_prob_gap_lora_bf16(tmp_path):
     ctx = init_distributed("auto")
     gaps = {}
     for name, flags, base_dtype in (("full", {}, torch.float32), ("lora", LORA, torch.bfloat16)):
-        actor = Actor(load_pretrained(ckpt, dtype=base_dtype, device=ctx.device),
-                      actor_spec(tiny_config(lr=1e-2, torch_compile="off", **flags)), ctx)
+        cfg = tiny_config(lr=1e-2, torch_compile="off", **flags)
+        actor = Actor(load_pretrained(ckpt, dtype=base_dtype, device=ctx.device), actor_spec(cfg), ctx)
         for _ in range(3):
-            actor.train_step(synthetic_samples(LENGTHS))
+            train_rollout(actor, cfg, synthetic_samples(LENGTHS))
         eng = Engine(load_pretrained(ckpt, dtype=torch.bfloat16, device=ctx.device), NullTok(), [],
                      EngineConfig(max_model_len=256, max_num_seqs=16, kv_fraction=0.02))
         sync_weights(actor.model, eng.model, bucket_bytes=1 << 16)

@@ -14,10 +14,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_actor import full_weights, synthetic_samples, tiny_ckpt, tiny_config  # noqa: E402,F401 (fixture)
+from test_actor import full_weights, synthetic_samples, tiny_ckpt, tiny_config, train_rollout  # noqa: E402,F401 (fixture)
 from test_e2e import _resume_flags, assets, read_metrics  # noqa: E402,F401 (assets: fixture)
 
 from furlong.cli import main  # noqa: E402
+from furlong.config import Config  # noqa: E402
 from furlong.config_checks import validate  # noqa: E402
 from furlong.lora_flags import check_checkpoint_model  # noqa: E402
 from furlong.models.hf_config import ModelArgs  # noqa: E402
@@ -35,10 +36,10 @@ LORA = dict(lora_rank=4, lora_alpha=16.0)
 LENGTHS = [14, 9, 20, 7, 11]
 
 
-def _actor(ckpt, **overrides) -> Actor:
+def _actor(ckpt, **overrides) -> tuple[Actor, Config]:
     cfg = tiny_config(lr=1e-2, **{**LORA, **overrides})
     dtype = torch.bfloat16 if overrides.get("dtype") == "bf16" else torch.float32
-    return Actor(load_pretrained(ckpt, dtype=dtype), actor_spec(cfg), init_distributed("cpu"))
+    return Actor(load_pretrained(ckpt, dtype=dtype), actor_spec(cfg), init_distributed("cpu")), cfg
 
 
 def _unsharded(ckpt, actor: Actor) -> torch.nn.Module:
@@ -53,7 +54,7 @@ def _unsharded(ckpt, actor: Actor) -> torch.nn.Module:
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_base_frozen_without_masters_or_optimizer_state(tiny_ckpt, dtype):
-    actor = _actor(tiny_ckpt, dtype=dtype, use_kl_loss=True, kl_loss_coef=0.1)
+    actor, cfg = _actor(tiny_ckpt, dtype=dtype, use_kl_loss=True, kl_loss_coef=0.1)
     compute = torch.bfloat16 if dtype == "bf16" else torch.float32
     before = full_weights(actor)
     for n, p in actor.model.named_parameters():
@@ -64,7 +65,7 @@ def test_base_frozen_without_masters_or_optimizer_state(tiny_ckpt, dtype):
     optimized = {id(p) for g in actor.optimizer.param_groups for p in g["params"]}
     assert optimized == {id(p) for n, p in actor.model.named_parameters() if is_adapter_param(n)}
     assert set(map(id, actor.optimizer.state)) <= optimized
-    metrics = [actor.train_step(synthetic_samples(LENGTHS)) for _ in range(2)]
+    metrics = [train_rollout(actor, cfg, synthetic_samples(LENGTHS)) for _ in range(2)]
     assert metrics[0].kl_loss == 0 and metrics[1].kl_loss > 0   # B starts at 0: step 1 is the base
     after = full_weights(actor)
     for n, w in before.items():
@@ -76,10 +77,10 @@ def test_base_frozen_without_masters_or_optimizer_state(tiny_ckpt, dtype):
 
 
 def test_reference_log_probs_are_the_base_models(tiny_ckpt):
-    actor = _actor(tiny_ckpt, use_kl_loss=True, kl_loss_coef=0.1)
+    actor, cfg = _actor(tiny_ckpt, use_kl_loss=True, kl_loss_coef=0.1)
     samples = synthetic_samples(LENGTHS)
     for _ in range(2):
-        actor.train_step(samples)
+        train_rollout(actor, cfg, samples)
     plain = Actor(load_pretrained(tiny_ckpt), actor_spec(tiny_config()), init_distributed("cpu"))
     base = plain.compute_log_probs(samples, "old")
     ref = actor.compute_log_probs(samples, "ref")
@@ -97,8 +98,8 @@ def test_reference_log_probs_are_the_base_models(tiny_ckpt):
 
 @pytest.mark.parametrize("engine_dtype", [torch.float32, torch.bfloat16])
 def test_weight_sync_sends_merged_weights(tiny_ckpt, engine_dtype):
-    actor = _actor(tiny_ckpt)
-    actor.train_step(synthetic_samples(LENGTHS))
+    actor, cfg = _actor(tiny_ckpt)
+    train_rollout(actor, cfg, synthetic_samples(LENGTHS))
     engine = load_pretrained(tiny_ckpt, dtype=engine_dtype)
     sync_weights(actor.model, engine, bucket_bytes=4096)
     full = full_weights(actor)
@@ -120,8 +121,8 @@ def test_weight_sync_sends_merged_weights(tiny_ckpt, engine_dtype):
 
 def test_checkpoint_holds_adapters_only_and_resume_is_exact(tiny_ckpt, tmp_path):
     samples = synthetic_samples(LENGTHS)
-    a = _actor(tiny_ckpt, lora_dropout=0.1)
-    a.train_step(samples)
+    a, cfg = _actor(tiny_ckpt, lora_dropout=0.1)
+    train_rollout(a, cfg, samples)
     save_checkpoint(tmp_path / "ck", a, 0, source=str(tiny_ckpt), lora=a.spec.lora)
     import torch.distributed.checkpoint as dcp
     meta = dcp.FileSystemReader(str(tmp_path / "ck" / "iter_0000001")).read_metadata()
@@ -129,12 +130,12 @@ def test_checkpoint_holds_adapters_only_and_resume_is_exact(tiny_ckpt, tmp_path)
     assert keys and all("lora_" in k for k in keys if k.startswith(("model.", "optim.state."))), keys
     assert sum(k.startswith("model.") for k in keys) == len(adapter_state_dict(a.model))
     # a fresh actor (other seed: other initial adapters) resumes exactly, dropout's RNG included
-    b = _actor(tiny_ckpt, lora_dropout=0.1, seed=99)
+    b, _ = _actor(tiny_ckpt, lora_dropout=0.1, seed=99)
     assert load_checkpoint(tmp_path / "ck", b).rollout_id == 0
     rng = torch.get_rng_state()
-    ma = a.train_step(samples)
+    ma = train_rollout(a, cfg, samples)
     torch.set_rng_state(rng)
-    mb = b.train_step(samples)
+    mb = train_rollout(b, cfg, samples)
     assert (ma.loss, ma.grad_norm) == (mb.loss, mb.grad_norm)
     wa, wb = full_weights(a), full_weights(b)
     assert all(torch.equal(wa[n], wb[n]) for n in wa)
@@ -152,8 +153,8 @@ def test_checkpoint_holds_adapters_only_and_resume_is_exact(tiny_ckpt, tmp_path)
 def test_export_and_eval_load_of_a_lora_checkpoint(tiny_ckpt, tmp_path):
     peft = pytest.importorskip("peft")
     from transformers import AutoModelForCausalLM
-    actor = _actor(tiny_ckpt)
-    actor.train_step(synthetic_samples(LENGTHS))
+    actor, cfg = _actor(tiny_ckpt)
+    train_rollout(actor, cfg, synthetic_samples(LENGTHS))
     save_checkpoint(tmp_path / "ck", actor, 0, source=str(tiny_ckpt), lora=actor.spec.lora)
     ids = synthetic_samples(LENGTHS)[0].token_ids[None]
     with torch.no_grad():
@@ -182,7 +183,7 @@ def _run(ckpt: str, distributed: bool) -> dict:
     else:
         cfg = tiny_config(lr=1e-2, micro_batch_size=1, fsdp_reshard_after_forward=True, **LORA, **SCENARIO)
     actor = Actor(load_pretrained(ckpt), actor_spec(cfg), init_distributed("cpu"))
-    m = actor.train_step(synthetic_samples([40, 20, 12, 10, 9, 8, 7, 6, 5, 4]))
+    m = train_rollout(actor, cfg, synthetic_samples([40, 20, 12, 10, 9, 8, 7, 6, 5, 4]))
     return {"weights": full_weights(actor), "metrics": m}
 
 
