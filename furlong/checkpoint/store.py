@@ -226,7 +226,8 @@ def load_model_weights(load_dir: str | os.PathLike, model: torch.nn.Module, iter
         raise ValueError(f"--load: no {TRACKER} in {load_dir}")
     path = iteration_path(load_dir, iteration)
     from furlong.checkpoint.lora import lora_spec_of, merge_checkpoint_adapters
-    spec = lora_spec_of(torch.load(path / "trainer.pt", weights_only=False))
+    meta = path / "trainer.pt"   # absent only in a bare DCP folder; a run's checkpoints always have it (verify.py)
+    spec = lora_spec_of(torch.load(meta, weights_only=False)) if meta.exists() else None
     if spec is not None:
         merge_checkpoint_adapters(path, model, spec)
         return iteration
