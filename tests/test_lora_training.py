@@ -171,6 +171,13 @@ def test_export_and_eval_load_of_a_lora_checkpoint(tiny_ckpt, tmp_path):
     with torch.no_grad():
         for got in (pm(input_ids=ids).logits, merged(ids).logits, engine(ids)):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # over the peft folder: refused without --overwrite; with it the adapter's files go, other files stay
+    (tmp_path / "adapter" / "notes.txt").write_text("mine")
+    assert main(["export", "--load", str(tmp_path / "ck"), "--output", str(tmp_path / "adapter"), "--merged"]) == 2
+    assert main(["export", "--load", str(tmp_path / "ck"), "--output", str(tmp_path / "adapter"), "--merged",
+                 "--overwrite"]) == 0
+    left = sorted(p.name for p in (tmp_path / "adapter").iterdir())
+    assert "notes.txt" in left and "model.safetensors" in left and not any("adapter" in n for n in left), left
 
 
 SCENARIO = dict(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl", clip_grad=0.0,
