@@ -1,5 +1,5 @@
-"""The LoRA flags (config.LoraConfig) -> models.lora.LoraSpec, their checks, and what a LoRA run's
-checkpoint holds.
+"""The LoRA flags' checks (config.LoraFlags; config_map.lora_config maps them to models.lora.LoraConfig),
+and what a LoRA run's checkpoint holds.
 
 --lora-rank 0 (the default, as in miles) is full-parameter training; >= 1 trains adapters on a
 frozen base. --lora-alpha is a float here (miles: int; peft takes either). --target-modules
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from furlong.models.lora import LoraSpec
 from furlong.models.lora_names import parse_target_modules
 
 if TYPE_CHECKING:
     from furlong.config import Config
+    from furlong.models.lora import LoraConfig
     from furlong.models.hf_config import ModelArgs
     from furlong.checkpoint.verify import CheckpointChoice
 
@@ -33,16 +33,7 @@ def check_lora_flags(cfg: Config) -> None:
     parse_target_modules(c.target_modules)
 
 
-def lora_spec(cfg: Config) -> LoraSpec | None:
-    """The actor's adapters, None for full-parameter training; seeded by --seed."""
-    c = cfg.lora
-    if c.lora_rank == 0:
-        return None
-    return LoraSpec(rank=c.lora_rank, alpha=float(c.lora_alpha), dropout=c.lora_dropout,
-                    target_modules=parse_target_modules(c.target_modules), seed=cfg.parallel.seed)
-
-
-def checkpoint_shapes(args: ModelArgs, spec: LoraSpec | None) -> dict[str, tuple[int, ...]]:
+def checkpoint_shapes(args: ModelArgs, spec: LoraConfig | None) -> dict[str, tuple[int, ...]]:
     """Name -> shape of what a run's checkpoint holds: every parameter, or with LoRA only the adapters
     (built on the meta device: nothing allocated)."""
     import torch
@@ -64,9 +55,10 @@ def check_checkpoint_model(choice: CheckpointChoice, args: ModelArgs, cfg: Confi
     training run the model of --hf-checkpoint with this run's adapters (the LoRA flags must agree with
     the checkpoint's), for `furlong eval` whatever the checkpoint records (full or adapters)."""
     from furlong.checkpoint.verify import shape_mismatch
-    from furlong.checkpoint.lora import lora_spec_of
-    saved = lora_spec_of(choice.trainer_state)
-    spec = lora_spec(cfg) if training else saved
+    from furlong.checkpoint.lora import lora_config_of
+    from furlong.config_map import lora_config
+    saved = lora_config_of(choice.trainer_state)
+    spec = lora_config(cfg) if training else saved
     if training and (saved is None) != (spec is None):
         what = "LoRA adapters" if saved is not None else "full-parameter weights"
         raise ValueError(f"--lora-rank: {choice.path} holds {what}; resume it with "

@@ -15,7 +15,7 @@ import torch
 
 from furlong.models import load_pretrained
 from furlong.models.hf_config import ModelArgs
-from furlong.models.lora import (LoraSpec, adapter_state_dict, adapters_disabled, apply_lora, lora_modules,
+from furlong.models.lora import (LoraConfig, adapter_state_dict, adapters_disabled, apply_lora, lora_modules,
                                  merged_state_dict)
 from furlong.models.lora_export import save_merged_hf, save_peft_adapter
 from furlong.models.lora_names import (hf_module_name, our_adapter_name, parse_target_modules, peft_key,
@@ -39,8 +39,8 @@ def ckpts(tmp_path_factory):
             for i, (cid, fam, tie, bias) in enumerate(CASES)}
 
 
-def _spec(targets: str = "all-linear", seed: int = 0, dropout: float = 0.0) -> LoraSpec:
-    return LoraSpec(rank=RANK, alpha=ALPHA, dropout=dropout, target_modules=parse_target_modules(targets), seed=seed)
+def _spec(targets: str = "all-linear", seed: int = 0, dropout: float = 0.0) -> LoraConfig:
+    return LoraConfig(rank=RANK, alpha=ALPHA, dropout=dropout, target_modules=parse_target_modules(targets), seed=seed)
 
 
 def _adapted(path, targets: str = "all-linear", seed: int = 0):
@@ -57,12 +57,12 @@ def _adapted(path, targets: str = "all-linear", seed: int = 0):
 
 def _peft_model(path, model, targets: str = "all-linear"):
     """peft on the transformers model of `path`, loaded with `model`'s adapters through peft's own keys."""
-    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model, set_peft_model_state_dict
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
     t = parse_target_modules(targets)
-    cfg = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
-                     target_modules="all-linear" if t == ("all-linear",) else list(t))
+    cfg = PeftLoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
+                         target_modules="all-linear" if t == ("all-linear",) else list(t))
     pm = get_peft_model(hf, cfg)
     res = set_peft_model_state_dict(pm, {peft_key(n): p.detach().clone() for n, p in adapter_state_dict(model).items()})
     assert not [k for k in res.unexpected_keys if "lora" in k]
@@ -226,4 +226,4 @@ def test_apply_twice_or_rank_zero_refused(ckpts):
         apply_lora(model, spec, ["layers.0.mlp.up_proj"])
     fresh = load_pretrained(ckpts["qwen3"])
     with pytest.raises(ValueError, match="--lora-rank"):
-        apply_lora(fresh, LoraSpec(0, 8.0, 0.0, ("all-linear",), 0), ["layers.0.mlp.up_proj"])
+        apply_lora(fresh, LoraConfig(0, 8.0, 0.0, ("all-linear",), 0), ["layers.0.mlp.up_proj"])

@@ -14,7 +14,7 @@ from test_lora_training import LENGTHS, LORA  # noqa: E402
 
 from furlong.launch.distributed import init_distributed  # noqa: E402
 from furlong.models.hf_io import load_pretrained  # noqa: E402
-from furlong.run.specs import actor_spec  # noqa: E402
+from furlong.config_map import actor_config, batching_config  # noqa: E402
 from furlong.trainer.actor import Actor  # noqa: E402
 from furlong.trainer.weight_sync import sync_weights  # noqa: E402
 
@@ -34,7 +34,7 @@ def test_engine_vs_trainer_log_prob_gap_lora_bf16(tmp_path):
     gaps = {}
     for name, flags, base_dtype in (("full", {}, torch.float32), ("lora", LORA, torch.bfloat16)):
         cfg = tiny_config(lr=1e-2, torch_compile="off", **flags)
-        actor = Actor(load_pretrained(ckpt, dtype=base_dtype, device=ctx.device), actor_spec(cfg), ctx)
+        actor = Actor(load_pretrained(ckpt, dtype=base_dtype, device=ctx.device), actor_config(cfg), ctx)
         for _ in range(3):
             train_rollout(actor, cfg, synthetic_samples(LENGTHS))
         eng = Engine(load_pretrained(ckpt, dtype=torch.bfloat16, device=ctx.device), NullTok(), [],
@@ -53,7 +53,7 @@ def test_engine_vs_trainer_log_prob_gap_lora_bf16(tmp_path):
                 samples.append(TrainSample(token_ids=torch.tensor(p + c.token_ids), num_prompt_tokens=len(p),
                                            advantages=torch.zeros(r), rollout_log_probs=torch.tensor(c.log_probs)))
                 engine_lp.append(torch.tensor(c.log_probs))
-        trainer_lp = actor.compute_log_probs(samples, "old")
+        trainer_lp = actor.compute_log_probs(samples, batching_config(cfg), "old")
         gaps[name] = torch.cat([(a - b).abs() for a, b in zip(trainer_lp, engine_lp)]).mean().item()
     print(f"engine-vs-trainer mean |log-prob gap| (bf16): full {gaps['full']:.5f}, lora {gaps['lora']:.5f}")
     assert gaps["lora"] <= max(1.5 * gaps["full"], 2e-3) and gaps["lora"] <= 0.01, gaps

@@ -25,7 +25,7 @@ from furlong.models.hf_config import ModelArgs  # noqa: E402
 from furlong.models.hf_io import load_pretrained  # noqa: E402
 from furlong.models.lora import adapter_state_dict, apply_lora, is_adapter_param, lora_modules, merged_weight  # noqa: E402
 from furlong.models.lora_names import resolve_targets  # noqa: E402
-from furlong.run.specs import actor_spec  # noqa: E402
+from furlong.config_map import actor_config, batching_config  # noqa: E402
 from furlong.trainer.actor import Actor  # noqa: E402
 from furlong.checkpoint.store import load_checkpoint, load_model_weights, save_checkpoint  # noqa: E402
 from furlong.checkpoint.verify import choose_checkpoint  # noqa: E402
@@ -39,13 +39,13 @@ LENGTHS = [14, 9, 20, 7, 11]
 def _actor(ckpt, **overrides) -> tuple[Actor, Config]:
     cfg = tiny_config(lr=1e-2, **{**LORA, **overrides})
     dtype = torch.bfloat16 if overrides.get("dtype") == "bf16" else torch.float32
-    return Actor(load_pretrained(ckpt, dtype=dtype), actor_spec(cfg), init_distributed("cpu")), cfg
+    return Actor(load_pretrained(ckpt, dtype=dtype), actor_config(cfg), init_distributed("cpu")), cfg
 
 
 def _unsharded(ckpt, actor: Actor) -> torch.nn.Module:
     """A plain adapted model holding the actor's current adapters (for reference computations)."""
     model = load_pretrained(ckpt)
-    apply_lora(model, actor.spec.lora, resolve_targets(model, actor.spec.lora.target_modules))
+    apply_lora(model, actor.cfg.lora, resolve_targets(model, actor.cfg.lora.target_modules))
     with torch.no_grad():
         for n, p in adapter_state_dict(model).items():
             p.copy_(full_weights(actor)[n])
@@ -81,10 +81,10 @@ def test_reference_log_probs_are_the_base_models(tiny_ckpt):
     samples = synthetic_samples(LENGTHS)
     for _ in range(2):
         train_rollout(actor, cfg, samples)
-    plain = Actor(load_pretrained(tiny_ckpt), actor_spec(tiny_config()), init_distributed("cpu"))
-    base = plain.compute_log_probs(samples, "old")
-    ref = actor.compute_log_probs(samples, "ref")
-    old = actor.compute_log_probs(samples, "old")
+    plain = Actor(load_pretrained(tiny_ckpt), actor_config(tiny_config()), init_distributed("cpu"))
+    base = plain.compute_log_probs(samples, batching_config(cfg), "old")
+    ref = actor.compute_log_probs(samples, batching_config(cfg), "ref")
+    old = actor.compute_log_probs(samples, batching_config(cfg), "old")
     for r, b, o in zip(ref, base, old):
         torch.testing.assert_close(r, b, rtol=1e-6, atol=1e-6)
         assert (o - b).abs().max() > 1e-4   # the adapters were on for "old" again
@@ -123,7 +123,7 @@ def test_checkpoint_holds_adapters_only_and_resume_is_exact(tiny_ckpt, tmp_path)
     samples = synthetic_samples(LENGTHS)
     a, cfg = _actor(tiny_ckpt, lora_dropout=0.1)
     train_rollout(a, cfg, samples)
-    save_checkpoint(tmp_path / "ck", a, 0, source=str(tiny_ckpt), lora=a.spec.lora)
+    save_checkpoint(tmp_path / "ck", a, 0, source=str(tiny_ckpt), lora=a.cfg.lora)
     import torch.distributed.checkpoint as dcp
     meta = dcp.FileSystemReader(str(tmp_path / "ck" / "iter_0000001")).read_metadata()
     keys = list(meta.state_dict_metadata)
@@ -155,7 +155,7 @@ def test_export_and_eval_load_of_a_lora_checkpoint(tiny_ckpt, tmp_path):
     from transformers import AutoModelForCausalLM
     actor, cfg = _actor(tiny_ckpt)
     train_rollout(actor, cfg, synthetic_samples(LENGTHS))
-    save_checkpoint(tmp_path / "ck", actor, 0, source=str(tiny_ckpt), lora=actor.spec.lora)
+    save_checkpoint(tmp_path / "ck", actor, 0, source=str(tiny_ckpt), lora=actor.cfg.lora)
     ids = synthetic_samples(LENGTHS)[0].token_ids[None]
     with torch.no_grad():
         want = _unsharded(tiny_ckpt, actor)(ids)
@@ -189,7 +189,7 @@ def _run(ckpt: str, distributed: bool) -> dict:
         cfg = tiny_config(lr=1e-2, use_dynamic_batch_size=True, max_tokens_per_gpu="24", **LORA, **SCENARIO)
     else:
         cfg = tiny_config(lr=1e-2, micro_batch_size=1, fsdp_reshard_after_forward=True, **LORA, **SCENARIO)
-    actor = Actor(load_pretrained(ckpt), actor_spec(cfg), init_distributed("cpu"))
+    actor = Actor(load_pretrained(ckpt), actor_config(cfg), init_distributed("cpu"))
     m = train_rollout(actor, cfg, synthetic_samples([40, 20, 12, 10, 9, 8, 7, 6, 5, 4]))
     return {"weights": full_weights(actor), "metrics": m}
 
@@ -279,6 +279,6 @@ def test_lora_resume_continues_exactly(assets, tmp_path, capsys):
 
 
 def test_spec_carries_the_flags():
-    spec = actor_spec(tiny_config(**LORA, target_modules="q_proj, v_proj", seed=7)).lora
+    spec = actor_config(tiny_config(**LORA, target_modules="q_proj, v_proj", seed=7)).lora
     assert dataclasses.astuple(spec) == (4, 16.0, 0.0, ("q_proj", "v_proj"), 7)
-    assert actor_spec(tiny_config()).lora is None
+    assert actor_config(tiny_config()).lora is None

@@ -1,7 +1,7 @@
 """A LoRA run's checkpoint outside training (export, `furlong eval --load`): single process, no process group.
 
 A LoRA checkpoint's DCP shards hold only the adapters ("model.layers.0.self_attn.q_proj.lora_A", ...)
-and their AdamW state; trainer.pt records the LoraSpec under "lora" (store.py). The base is the
+and their AdamW state; trainer.pt records the LoraConfig under "lora" (store.py). The base is the
 --hf-checkpoint the run trained from. DCP reshards to full tensors on load, so a checkpoint saved at
 any world size reads here. Adapters holding NaN/inf are refused, as store.py refuses such weights.
 """
@@ -16,17 +16,17 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from furlong.checkpoint.store import nonfinite_tensor
-from furlong.models.lora import LoraSpec, adapter_state_dict, apply_lora, merged_weight
+from furlong.models.lora import LoraConfig, adapter_state_dict, apply_lora, merged_weight
 from furlong.models.lora_names import resolve_targets
 
 
-def lora_spec_of(trainer_state: dict[str, Any]) -> LoraSpec | None:
-    """The LoraSpec a checkpoint's trainer.pt records; None for a full-parameter checkpoint."""
+def lora_config_of(trainer_state: dict[str, Any]) -> LoraConfig | None:
+    """The LoraConfig a checkpoint's trainer.pt records; None for a full-parameter checkpoint."""
     rec = trainer_state.get("lora")
     if rec is None:
         return None
-    return LoraSpec(rank=int(rec["rank"]), alpha=float(rec["alpha"]), dropout=float(rec["dropout"]),
-                    target_modules=tuple(rec["target_modules"]), seed=int(rec["seed"]))
+    return LoraConfig(rank=int(rec["rank"]), alpha=float(rec["alpha"]), dropout=float(rec["dropout"]),
+                      target_modules=tuple(rec["target_modules"]), seed=int(rec["seed"]))
 
 
 def _read(path: str | Path, shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> dict[str, torch.Tensor]:
@@ -50,7 +50,7 @@ def load_adapters(path: str | Path, model: nn.Module) -> None:
             p.copy_(loaded[k])
 
 
-def merge_checkpoint_adapters(path: str | Path, model: nn.Module, spec: LoraSpec) -> None:
+def merge_checkpoint_adapters(path: str | Path, model: nn.Module, spec: LoraConfig) -> None:
     """Fold the adapters of checkpoint `path` into the plain decoder `model`'s weights, in place
     (its dtype and device; the sums in fp32). The adapters are read into a meta-built skeleton's
     shapes, so no second copy of the base is made."""

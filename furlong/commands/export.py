@@ -8,7 +8,7 @@ transformers. The original checkpoint (recorded in the DCP checkpoint, or given
 explicitly) supplies config and tokenizer. Weights are written in the original
 checkpoint's dtype unless `dtype` says otherwise (the fp32 masters are cast).
 
-A LoRA checkpoint (its trainer.pt records the adapters' LoraSpec) holds only adapters: by
+A LoRA checkpoint (its trainer.pt records the adapters' LoraConfig) holds only adapters: by
 default they are written as a peft adapter folder (models/lora_export.py) for the base
 --hf-checkpoint; with `merged` (--merged) base + adapters are written as one HF checkpoint.
 """
@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch
 
-from furlong.checkpoint.lora import load_adapters, lora_spec_of
+from furlong.checkpoint.lora import load_adapters, lora_config_of
 from furlong.checkpoint.store import SaveError, load_model_weights
 from furlong.checkpoint.verify import CheckpointChoice, choose_checkpoint, shape_mismatch
 from furlong.lora_flags import checkpoint_shapes
 from furlong.models.hf_config import ModelArgs
 from furlong.models.hf_io import load_pretrained, save_hf
-from furlong.models.lora import LoraSpec, apply_lora
+from furlong.models.lora import LoraConfig, apply_lora
 from furlong.models.lora_export import save_merged_hf, save_peft_adapter
 from furlong.models.lora_names import resolve_targets
 from furlong.safe_paths import check_dir_target
@@ -56,7 +56,7 @@ def export_hf(load_dir: str | Path, output_dir: str | Path, hf_checkpoint: str |
     output_dir = check_dir_target(output_dir, "--output", {"--load": load_dir, "--hf-checkpoint": hf_checkpoint},
                                   overwrite)
     args = ModelArgs.from_dir(hf_checkpoint)
-    spec = lora_spec_of(choice.trainer_state)
+    spec = lora_config_of(choice.trainer_state)
     # the shapes come from config.json alone (and the adapters' spec): another model's --hf-checkpoint is
     # refused before any load
     mismatch = shape_mismatch(choice.path, checkpoint_shapes(args, spec))
@@ -77,7 +77,7 @@ def export_hf(load_dir: str | Path, output_dir: str | Path, hf_checkpoint: str |
     return out
 
 
-def _export_lora(choice: CheckpointChoice, spec: LoraSpec, args: ModelArgs, hf_checkpoint: str, output_dir: Path,
+def _export_lora(choice: CheckpointChoice, spec: LoraConfig, args: ModelArgs, hf_checkpoint: str, output_dir: Path,
                  merged: bool, dtype: torch.dtype) -> Path:
     model = load_pretrained(hf_checkpoint, dtype=torch.float32, device="cpu")
     apply_lora(model, spec, resolve_targets(model, spec.target_modules))

@@ -3,7 +3,7 @@
 An adapted projection computes  y = W x + b + s * B A dropout(x),  s = alpha / rank, where
 A [rank, in] and B [out, rank] are trainable fp32 parameters and W, b stay frozen. A starts
 kaiming-uniform with a = sqrt(5) (nn.Linear's and peft's default), B at zero, so the adapted
-model starts equal to the base; the draws come from a generator seeded by `LoraSpec.seed`
+model starts equal to the base; the draws come from a generator seeded by `LoraConfig.seed`
 (--seed), in module order, so every rank and every resume builds the same adapters.
 
 Every base parameter of the model is frozen (requires_grad False), embeddings, norms and LM head
@@ -38,7 +38,7 @@ ADAPTER_PARAMS = ("lora_A", "lora_B")
 
 
 @dataclass(frozen=True)
-class LoraSpec:
+class LoraConfig:
     """The adapters of a run (--lora-rank, --lora-alpha, --lora-dropout, --target-modules, --seed)."""
     rank: int                          # r >= 1
     alpha: float                       # scaling numerator: s = alpha / rank
@@ -92,7 +92,7 @@ def merged_weight(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tens
     return (weight.detach().float() + merged_delta(lora_A, lora_B, scaling)).to(weight.dtype)
 
 
-def apply_lora(model: nn.Module, spec: LoraSpec, module_names: Iterable[str]) -> list[str]:
+def apply_lora(model: nn.Module, spec: LoraConfig, module_names: Iterable[str]) -> list[str]:
     """Replace each named nn.Linear of `model` by a LoraLinear, freeze every base parameter; returns the names.
 
     A's draws follow the order of `module_names` sorted as the model lists its modules, so the

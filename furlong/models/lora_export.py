@@ -24,7 +24,7 @@ from torch import nn
 
 from furlong.models.hf_config import ModelArgs
 from furlong.models.hf_io import save_hf
-from furlong.models.lora import LoraSpec, adapter_state_dict, lora_modules, merged_state_dict
+from furlong.models.lora import LoraConfig, adapter_state_dict, lora_modules, merged_state_dict
 from furlong.models.lora_names import decoder_linears, hf_module_name, peft_key, target_module_leaves
 
 
@@ -42,7 +42,7 @@ def _peft_targets(model: nn.Module) -> list[str]:
     return leaves if by_leaf == adapted else [hf_module_name(n) for n in adapted]
 
 
-def adapter_config(model: nn.Module, spec: LoraSpec, base_model: str | None) -> dict:
+def adapter_config(model: nn.Module, spec: LoraConfig, base_model: str | None) -> dict:
     """adapter_config.json's fields (peft fills the rest with its defaults)."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
             "lora_dropout": spec.dropout, "target_modules": _peft_targets(model), "bias": "none",
@@ -67,7 +67,7 @@ def _replace_dir(out_dir: Path, write) -> Path:
     return out_dir
 
 
-def save_peft_adapter(model: nn.Module, spec: LoraSpec, out_dir: str | Path, base_model: str | None = None) -> Path:
+def save_peft_adapter(model: nn.Module, spec: LoraConfig, out_dir: str | Path, base_model: str | None = None) -> Path:
     """Write `model`'s adapters as a peft LoRA folder (`base_model`: adapter_config's base_model_name_or_path)."""
     tensors = {peft_key(n): _full_cpu(p).float() for n, p in adapter_state_dict(model).items()}
     if not tensors:

@@ -27,8 +27,10 @@ from torch import nn
 from furlong.models.lora import is_adapter_param, lora_modules, merged_weight
 
 
-def _full(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    t = t.detach().to(dtype)
+def _full(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # to the engine's device first: offloaded shards (--fsdp-cpu-offload) are CPU tensors, which an
+    # NCCL all-gather cannot take
+    t = t.detach().to(device=device, dtype=dtype)
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
@@ -71,12 +73,14 @@ def sync_weights(actor_model: nn.Module, engine_model: nn.Module, bucket_bytes: 
         raise ValueError(f"weight sync: engine parameters have mixed dtypes {sorted(map(str, dtypes))}")
     dtype = dtypes.pop()
     for bucket in _buckets(src, dtype, bucket_bytes):
-        gathered = [(name, _full(p, dtype)) for name, p in bucket]
+        gathered = [(name, _full(p, dtype, dst[name].device)) for name, p in bucket]
         for name, full in gathered:
             owner, _, leaf = name.rpartition(".")
             if leaf == "weight" and owner in adapted:   # same order on every rank: the gathers below match
                 m = adapted[owner]
-                full = merged_weight(full, _full(m.lora_A, torch.float32), _full(m.lora_B, torch.float32), m.scaling)
+                dev = dst[name].device
+                full = merged_weight(full, _full(m.lora_A, torch.float32, dev), _full(m.lora_B, torch.float32, dev),
+                                     m.scaling)
             dst[name].copy_(full)
             written += full.numel() * full.element_size()
         del gathered
