@@ -88,6 +88,8 @@ def _build_parser() -> _Parser:
                    help="(required) new or empty directory for the HF checkpoint (never a source)")
     e.add_argument("--hf-checkpoint", default=None,
                    help="the original checkpoint (config and tokenizer); default: the one the checkpoint records")
+    e.add_argument("--merged", action="store_true",
+                   help="LoRA checkpoint: write base + adapters as one HF checkpoint (default: a peft adapter folder)")
     e.add_argument("--overwrite", action="store_true",
                    help="write into a non-empty --output, replacing its checkpoint files (other files are kept)")
     return p
@@ -151,7 +153,8 @@ def _run(argv: list[str]) -> int:
         return 0
     if args.command == "export":
         from furlong.commands.export import export_hf
-        export_hf(args.load, args.output, args.hf_checkpoint, ckpt_step=args.ckpt_step, overwrite=args.overwrite)
+        export_hf(args.load, args.output, args.hf_checkpoint, ckpt_step=args.ckpt_step, overwrite=args.overwrite,
+                  merged=args.merged)
         print(f"export: wrote {args.output}")
         return 0
     raise UsageError(f"furlong: unknown command {args.command!r}")

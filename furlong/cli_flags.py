@@ -65,7 +65,7 @@ class UsageError(Exception):
 _PATH_WORDS = ("checkpoint", "path", "data", "dir", "save", "load")
 GROUP_TITLES = {"data": "data and model", "sft": "furlong sft only", "log": "outputs and logging",
                 "ckpt": "checkpoints", "algo": "algorithm", "optim": "optimizer", "batch": "batching and memory",
-                "parallel": "processes and devices"}
+                "parallel": "processes and devices", "lora": "LoRA (adapters on a frozen base)"}
 
 
 def _metavar(f: dataclasses.Field, base: str) -> str:
@@ -105,7 +105,7 @@ _EVAL_ROLLOUT = {"num_rollout", "rollout_batch_size", "n_samples_per_prompt", "o
                  "dynamic_sampling_filter_path", "rollout_num_gpus"}
 COMMAND_FLAGS: dict[str, dict[str, set[str]]] = {
     "train": {g: set() for g in ("data", "reward", "rollout", "eval", "algo", "optim", "batch", "parallel", "ckpt",
-                                 "log")},
+                                 "log", "lora")},
     "sft": {"data": {"label_key", "apply_chat_template", "rollout_shuffle", "rollout_seed", "rollout_max_prompt_len"},
             "optim": set(), "batch": {"num_steps_per_rollout", "update_weight_buffer_size"}, "parallel": set(),
             "ckpt": {"save_interval", "load", "ckpt_step"}, "sft": set(),

@@ -205,6 +205,16 @@ class LogFlags:
 
 
 @dataclass
+class LoraFlags:
+    """LoRA RL (miles' flags, peft's semantics; models/lora.py). Checked in lora_flags.py."""
+    lora_rank: int = flag(0, "LoRA rank: train adapters of this rank on a frozen base (0: full-parameter training)")
+    lora_alpha: float = flag(16.0, "LoRA alpha: the adapters' output is scaled by alpha / rank")
+    lora_dropout: float = flag(0.0, "LoRA dropout on the adapters' input (training forwards only)")
+    target_modules: str = flag("all-linear", "projections that get adapters: all-linear (every linear layer of "
+                               "the decoder blocks, not the LM head) or names, e.g. q_proj,k_proj,v_proj,o_proj")
+
+
+@dataclass
 class SftFlags:
     num_epoch: int = flag(1, "SFT: passes over the data")
     sft_max_len: int = flag(2048, "SFT: truncate samples to this many tokens")
@@ -222,6 +232,7 @@ class Config:
     parallel: ParallelFlags = field(default_factory=ParallelFlags)
     ckpt: CheckpointFlags = field(default_factory=CheckpointFlags)
     log: LogFlags = field(default_factory=LogFlags)
+    lora: LoraFlags = field(default_factory=LoraFlags)
     sft: SftFlags = field(default_factory=SftFlags)
 
     def to_dict(self) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import dataclasses
 import math
 
 from furlong.config import Config, RolloutFlags
+from furlong.lora_flags import check_lora_flags
 
 
 def sglang_flags_set(cfg: Config) -> list[str]:
@@ -157,6 +158,7 @@ def validate(cfg: Config, command: str = "train") -> None:
         _need(cfg.log.ci_metric_checker_key is not None, "--ci-metric-checker-key", "required with --ci-test")
         _need(cfg.log.ci_metric_checker_threshold is not None, "--ci-metric-checker-threshold", "required with --ci-test")
     _need(cfg.sft.num_epoch >= 1, "--num-epoch", "must be >= 1")
+    check_lora_flags(cfg)
     _check_seeds_and_names(cfg)
 
 

@@ -23,6 +23,8 @@ from furlong.checkpoint.run import CheckpointConfig
 from furlong.config import Config
 from furlong.engine.engine import EngineConfig
 from furlong.engine.sampling import SamplingParams
+from furlong.models.lora import LoraConfig
+from furlong.models.lora_names import parse_target_modules
 from furlong.rollout.eval import EvalConfig
 from furlong.rollout.rollout import RolloutConfig
 from furlong.run.step import LogProbPasses, log_prob_passes
@@ -102,7 +104,17 @@ def actor_config(cfg: Config, total_steps: int | None = None) -> Actor.Config:
         total_steps = _run_steps(cfg, cfg.rollout.num_rollout - a.num_critic_only_steps)
     return Actor.Config(shard=shard_config(cfg), optim=cfg.optim, loss=loss_config(cfg),
                         temperature=cfg.rollout.rollout_temperature, use_ref_model=a.use_kl_loss or a.kl_coef > 0,
-                        total_steps=total_steps)
+                        total_steps=total_steps, lora=lora_config(cfg))
+
+
+def lora_config(cfg: Config) -> LoraConfig | None:
+    """The actor's adapters (lora_flags.py checks the flags), None for full-parameter training; seeded
+    by --seed."""
+    c = cfg.lora
+    if c.lora_rank == 0:
+        return None
+    return LoraConfig(rank=c.lora_rank, alpha=float(c.lora_alpha), dropout=c.lora_dropout,
+                      target_modules=parse_target_modules(c.target_modules), seed=cfg.parallel.seed)
 
 
 def critic_config(cfg: Config, total_steps: int | None = None) -> Critic.Config:

@@ -99,10 +99,11 @@ def remove_stale_temps(out_dir: Path) -> list[Path]:
 
 
 def _owned(name: str) -> bool:
-    """A file an HF checkpoint directory owns (what hf_io.save_hf writes, plus a shard index)."""
+    """A file an HF checkpoint directory owns (what hf_io.save_hf writes, plus a shard index; a peft adapter
+    folder's config, which would make transformers read the folder as an adapter)."""
     from furlong.models.hf_io import TOKENIZER_FILES
     return name.endswith(".safetensors") or name in ("config.json", "model.safetensors.index.json",
-                                                     *TOKENIZER_FILES)
+                                                     "adapter_config.json", *TOKENIZER_FILES)
 
 
 def install_checkpoint(tmp: Path, out_dir: Path) -> None:

@@ -36,7 +36,8 @@ def save_run(cfg: CheckpointConfig, actor: Actor, critic: Critic | None, dataset
     """Save after `rollout_id` into --save (every rank calls); returns the actor's iter_* directory."""
     if critic is not None:
         save_critic(cfg.critic_save, critic, rollout_id)
-    return save_checkpoint(cfg.save, actor, rollout_id, sampler_state=dataset.state_dict(), source=cfg.source)
+    return save_checkpoint(cfg.save, actor, rollout_id, sampler_state=dataset.state_dict(), source=cfg.source,
+                           lora=actor.cfg.lora)
 
 
 def load_run(cfg: CheckpointConfig, actor: Actor, critic: Critic | None, dataset: PromptDataset,

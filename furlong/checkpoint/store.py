@@ -20,7 +20,9 @@ trainer (the critic's checkpoints use the same functions, checkpoint/critic.py).
 Model and optimizer state go through `get_state_dict`/`set_state_dict`, so the
 files are keyed by parameter name (FQN) and can be loaded at another world size.
 The frozen reference model is not saved: it is the initial weights, re-read from
---hf-checkpoint on resume.
+--hf-checkpoint on resume. Frozen parameters are never saved: with LoRA the checkpoint
+holds only the adapters and their optimizer state (the base is --hf-checkpoint), and
+trainer.pt records the adapters' LoraConfig (`lora`) for export and eval (checkpoint/lora.py).
 
 Test hooks (`_test_hook`, read nowhere else): env FURLONG_CKPT_SLEEP_MID_SAVE=<seconds>
 sleeps after the shards are written and before the rename, so a test can kill or
@@ -29,6 +31,7 @@ at one of POINTS of that iteration's save, which no outside timing can hit exact
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import pickle
@@ -45,12 +48,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from furlong.checkpoint.verify import TRACKER, iteration_path, latest_iteration, shape_mismatch
 from furlong.launch.distributed import barrier
 
 if TYPE_CHECKING:
+    from furlong.models.lora import LoraConfig
     from furlong.trainer.base import Trainer
 
 SLEEP_ENV = "FURLONG_CKPT_SLEEP_MID_SAVE"
@@ -111,10 +115,19 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _state_dict_options(model: torch.nn.Module) -> StateDictOptions:
+    """Trainable parameters only (module docstring); loading then expects only those (shape_mismatch checks
+    the names first)."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
+
+
 def save_checkpoint(save_dir: str | os.PathLike, actor: Trainer, rollout_id: int,
-                    sampler_state: dict[str, Any] | None = None, source: str | None = None) -> Path:
+                    sampler_state: dict[str, Any] | None = None, source: str | None = None,
+                    lora: LoraConfig | None = None) -> Path:
     """Save after `rollout_id` finished; every rank must call. Returns the iter_* directory.
-    `source`: the HF checkpoint the run started from, recorded so `furlong export` needs no --hf-checkpoint."""
+    `source`: the HF checkpoint the run started from, recorded so `furlong export` needs no --hf-checkpoint;
+    `lora`: the LoraConfig of the actor's adapters (None: full-parameter)."""
     rank = _rank()
     _test_hook("before_save", rollout_id + 1)
     final = iter_dir(save_dir, rollout_id)
@@ -126,12 +139,13 @@ def save_checkpoint(save_dir: str | os.PathLike, actor: Trainer, rollout_id: int
         tmp.mkdir()
     barrier()
     try:
-        model_sd, optim_sd = get_state_dict(actor.model, actor.optimizer)
+        model_sd, optim_sd = get_state_dict(actor.model, actor.optimizer, options=_state_dict_options(actor.model))
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         torch.save(_rng_state(), tmp / f"trainer_rank{rank}.pt")
         if rank == 0:
             torch.save({"scheduler": actor.scheduler.state_dict(), "sampler": sampler_state or {},
-                        "rollout_id": rollout_id, "hf_checkpoint": source}, tmp / "trainer.pt")
+                        "rollout_id": rollout_id, "hf_checkpoint": source,
+                        "lora": None if lora is None else dataclasses.asdict(lora)}, tmp / "trainer.pt")
     except (OSError, RuntimeError, dcp.api.CheckpointException) as e:
         raise _save_failed(e, tmp, save_dir) from e
     _test_hook("mid_save", rollout_id + 1)
@@ -185,13 +199,15 @@ def load_checkpoint(load_dir: str | os.PathLike, actor: Trainer, iteration: int 
         raise ValueError(f"--load: {path} is missing or incomplete (no trainer.pt)")
     try:
         meta = torch.load(path / "trainer.pt", weights_only=False)
-        model_sd, optim_sd = get_state_dict(actor.model, actor.optimizer)
+        options = _state_dict_options(actor.model)
+        model_sd, optim_sd = get_state_dict(actor.model, actor.optimizer, options=options)
         mismatch = shape_mismatch(path, {name: tuple(t.shape) for name, t in model_sd.items()})
         if mismatch is not None:
             raise ValueError(f"--load: {path} is a checkpoint of another model: {mismatch}")
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(actor.model, actor.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(actor.model, actor.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=options)
         _check_finite(state["model"], path)
     except ValueError:
         raise
@@ -209,11 +225,18 @@ def load_checkpoint(load_dir: str | os.PathLike, actor: Trainer, iteration: int 
 
 def load_model_weights(load_dir: str | os.PathLike, model: torch.nn.Module, iteration: int | None = None) -> int:
     """Single process, no process group: load a checkpoint's (default: the latest) model weights
-    into an unsharded `model` (export/eval). Returns the iteration loaded."""
+    into an unsharded `model` (export/eval); a LoRA checkpoint's adapters are merged into the
+    base weights `model` already holds. Returns the iteration loaded."""
     iteration = latest_iteration(load_dir) if iteration is None else iteration
     if iteration is None:
         raise ValueError(f"--load: no {TRACKER} in {load_dir}")
     path = iteration_path(load_dir, iteration)
+    from furlong.checkpoint.lora import lora_config_of, merge_checkpoint_adapters
+    meta = path / "trainer.pt"   # absent only in a bare DCP folder; a run's checkpoints always have it (verify.py)
+    spec = lora_config_of(torch.load(meta, weights_only=False)) if meta.exists() else None
+    if spec is not None:
+        merge_checkpoint_adapters(path, model, spec)
+        return iteration
     state = {"model": dict(model.state_dict())}
     with warnings.catch_warnings():  # DCP warns that it assumes one process: that is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

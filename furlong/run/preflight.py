@@ -126,7 +126,7 @@ class CheckedInputs:
 def check_inputs(cfg: Config, with_actor: bool) -> CheckedInputs:
     """Step 1 of build_run (module docstring); `with_actor` False for `furlong eval`."""
     from furlong.data import PromptDataset
-    from furlong.models.hf_io import param_shapes
+    from furlong.lora_flags import check_checkpoint_model
     from furlong.rewards.registry import TimedReward, get_reward_fn
     from furlong.rollout.filters import load_filter
 
@@ -159,7 +159,8 @@ def check_inputs(cfg: Config, with_actor: bool) -> CheckedInputs:
     filter_fn = load_filter(cfg.rollout.dynamic_sampling_filter_path)
     resume = None
     if cfg.ckpt.load is not None and not nothing_saved_yet(cfg):
-        resume = choose_checkpoint(cfg.ckpt.load, cfg.ckpt.ckpt_step, param_shapes(args))
+        resume = choose_checkpoint(cfg.ckpt.load, cfg.ckpt.ckpt_step, None)
+        check_checkpoint_model(resume, args, cfg, with_actor)   # the model's names and shapes, LoRA or not
         if with_actor and resume.iteration > cfg.rollout.num_rollout:
             raise ValueError(f"--num-rollout: {cfg.rollout.num_rollout} is below the {resume.iteration} rollouts "
                              f"already done by {resume.path}")

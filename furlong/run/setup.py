@@ -74,7 +74,7 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool) -> RunParts:
     from furlong.models.hf_io import load_pretrained
 
     # 1. inputs (nothing written yet)
-    seed_everything(cfg.parallel.seed)
+    seed_everything(cfg.parallel.seed)   # also LoRA's dropout draws (models/lora.py); a resume restores the saved state
     inputs = check_inputs(cfg, with_actor)
     ckpt, tokenizer, max_resp, resume, out = (inputs.hf_checkpoint, inputs.tokenizer, inputs.max_response_len,
                                               inputs.resume, inputs.output_dir)
@@ -95,7 +95,9 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool) -> RunParts:
     actor = critic = None
     if with_actor:
         from furlong.trainer.actor import Actor
-        actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=device), actor_config(cfg), ctx)
+        # full-parameter: fp32 masters; LoRA: the frozen base in the compute dtype (fsdp.py), adapters fp32
+        base_dtype = torch.float32 if cfg.lora.lora_rank == 0 else dtype
+        actor = Actor(load_pretrained(ckpt, dtype=base_dtype, device=device), actor_config(cfg), ctx)
         if critic_ckpt is not None:   # before the probe, which then measures with the critic (and its AdamW state)
             from furlong.trainer.critic import build_critic
             critic = build_critic(critic_config(cfg), ctx, critic_ckpt)

@@ -12,10 +12,13 @@ decides which passes run, train_step only trains). The model has no dropout, so
 the two forwards would be identical.
 
 The frozen reference model (for --use-kl-loss) is a copy of the initial
-weights, sharded the same way, never trained.
+weights, sharded the same way, never trained. With LoRA (cfg.lora) the base
+weights are frozen and only the adapters train (models/lora.py): the reference
+is the same model with its adapters switched off, no second copy.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 import warnings
@@ -26,6 +29,8 @@ import torch
 
 from furlong.algorithms.losses import LossConfig, LossMetrics, rl_loss, sft_loss
 from furlong.config import OptimConfig
+from furlong.models.lora import LoraConfig, adapters_disabled, apply_lora
+from furlong.models.lora_names import resolve_targets
 from furlong.trainer.base import Trainer
 from furlong.trainer.batching import move_micro_batch, response_positions, response_slices, to_device
 from furlong.trainer.fsdp import compile_enabled, prepare_trainer_model
@@ -64,13 +69,16 @@ class Actor(Trainer):
         temperature: float           # log-probs are taken at the sampling temperature (as miles)
         use_ref_model: bool          # keep a frozen copy of the initial weights (KL loss or KL in the reward)
         total_steps: int             # optimizer steps of the LR schedule
+        lora: LoraConfig | None = None   # adapters on a frozen base (--lora-rank >= 1); None: full-parameter
 
     def __init__(self, model: torch.nn.Module, cfg: Actor.Config, ctx: DistContext, loss: str = "rl"):
         """`model`: the unsharded policy (any device/dtype; it is sharded in place, fp32 masters).
         `cfg`: config_map.actor_config(flags) for a run."""
         if loss not in LOSSES:
             raise ValueError(f"Actor: unknown loss {loss!r} ({', '.join(LOSSES)})")
-        ref = copy.deepcopy(model) if cfg.use_ref_model else None
+        if cfg.lora is not None:   # before sharding (Trainer.__init__): FSDP shards the adapters with their layers
+            apply_lora(model, cfg.lora, resolve_targets(model, cfg.lora.target_modules))
+        ref = copy.deepcopy(model) if cfg.use_ref_model and cfg.lora is None else None
         super().__init__(model, cfg.shard, cfg.optim, cfg.total_steps, ctx, "actor")
         self.cfg = cfg
         self.loss_name, self.loss_fn = loss, LOSSES[loss]
@@ -106,8 +114,10 @@ class Actor(Trainer):
     def compute_log_probs(self, samples: list[TrainSample], steps: BatchingConfig,
                           which: str = "old") -> list[torch.Tensor]:
         """Response log-probs [R] (fp32, CPU) of every sample under the current ("old") or
-        reference ("ref") model, on every rank (no_grad_pass.gathered_forward)."""
-        models = {"old": self.model, "ref": self.ref_model}
+        reference ("ref") model, on every rank (no_grad_pass.gathered_forward). With LoRA the
+        reference is the base: the actor's own model with its adapters off."""
+        lora_ref = self.model if self.cfg.lora is not None and self.cfg.use_ref_model else None
+        models = {"old": self.model, "ref": self.ref_model if self.ref_model is not None else lora_ref}
         model = models.get(which)
         if model is None:
             raise ValueError(f"compute_log_probs: no {which!r} model (ref needs --use-kl-loss)")
@@ -115,7 +125,9 @@ class Actor(Trainer):
         def forward(mb: MicroBatch, slices: list[tuple[int, int]]) -> torch.Tensor:
             positions = to_device(response_positions(slices), self.ctx.device)
             return self._log_probs(model, mb, positions, with_entropy=False)[0]
-        return self._gathered(model, samples, steps, forward)
+        # the reference is the base model: LoRA's adapters off (a no-op on a full-parameter reference copy)
+        with adapters_disabled(model) if which == "ref" else contextlib.nullcontext():
+            return self._gathered(model, samples, steps, forward)
 
     def train_step(self, samples: list[TrainSample], steps: BatchingConfig) -> TrainMetrics:
         """All optimizer steps for one rollout's samples (identical list on every rank). It only trains:

@@ -1,9 +1,11 @@
 """FSDP2 wrapping of the decoder (docs/design.md §2 step 6).
 
 `fully_shard` is applied to every decoder layer, then to the root (embeddings,
-final norm, LM head). Parameters stay fp32 ("master weights") and sharded;
+final norm, LM head). Trainable parameters stay fp32 ("master weights") and sharded;
 MixedPrecisionPolicy all-gathers them in `param_dtype` (bf16 on GPU, fp32 on
-CPU) for compute and reduce-scatters gradients in fp32.
+CPU) for compute and reduce-scatters gradients in fp32. Frozen parameters (LoRA's
+base weights, the KL reference copy) never change, so they are stored in `param_dtype`
+itself: no fp32 copy, and the same values the cast at all-gather would give.
 
 Gradient reduction is a SUM over ranks, not FSDP's default mean: the losses are
 already weighted by the GLOBAL batch size / token count (batching.py), so each
@@ -66,13 +68,16 @@ def prepare_trainer_model(model: nn.Module, ctx: DistContext, shard: ShardConfig
 
 def shard_model(model: nn.Module, ctx: DistContext, param_dtype: torch.dtype, *, reshard_after_forward: bool,
                 reduce_dtype: torch.dtype = torch.float32, cpu_offload: bool = False) -> nn.Module:
-    """Shard `model` (fp32, any device) in place over all ranks of `ctx`; returns it.
+    """Shard `model` (any dtype and device) in place over all ranks of `ctx`; returns it.
 
     `model` must have a `.layers` ModuleList of decoder layers.
     """
     if not hasattr(model, "layers"):
         raise ValueError("shard_model: model has no .layers ModuleList of decoder layers")
-    model.to(device=ctx.device, dtype=torch.float32)  # master weights are fp32
+    model.to(device=ctx.device)
+    with torch.no_grad():   # fp32 masters for what trains, the compute dtype for what is frozen (docstring)
+        for p in model.parameters():
+            p.data = p.data.to(torch.float32 if p.requires_grad else param_dtype)
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     # cast_forward_inputs=False: the layers' floating inputs are the bf16 hidden state (already in
     # param_dtype from the embedding) and the fp32 RoPE cos/sin, which must stay fp32: RoPE is computed

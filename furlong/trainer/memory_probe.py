@@ -105,7 +105,7 @@ def probe_max_tokens(actor: Actor, reserved_bytes: int = 0) -> int:
         return CPU_DEFAULT_TOKENS
     has_state = any(len(s) > 0 for s in actor.optimizer.state.values())
     pending = 0 if has_state else sum(2 * p.to_local().numel() * 4 if hasattr(p, "to_local") else 2 * p.numel() * 4
-                                      for p in actor.model.parameters())
+                                      for p in actor.model.parameters() if p.requires_grad)
     keep, actor.keep_logits_bytes = actor.keep_logits_bytes, 0   # module docstring
     small, large = PROBE_TOKENS, 2 * PROBE_TOKENS
     try:

@@ -14,11 +14,17 @@ larger than the budget forms its own bucket).
 Parameters are matched by name (both sides are furlong Transformers); tied
 embeddings appear once on both sides, and any mismatch of names or shapes is a
 ValueError before anything is gathered.
+
+LoRA (models/lora.py): the engine gets the merged weights. Adapter parameters are
+not sent; an adapted weight is gathered as usual and s * B A (A and B gathered in
+fp32) is added in fp32 before the copy, one rounding to the engine dtype.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from furlong.models.lora import is_adapter_param, lora_modules, merged_weight
 
 
 def _full(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -49,7 +55,8 @@ def sync_weights(actor_model: nn.Module, engine_model: nn.Module, bucket_bytes: 
     """
     if bucket_bytes < 1:
         raise ValueError(f"--update-weight-buffer-size: must be >= 1, got {bucket_bytes}")
-    src = list(actor_model.named_parameters())
+    src = [(n, p) for n, p in actor_model.named_parameters() if not is_adapter_param(n)]
+    adapted = lora_modules(actor_model)   # module name -> LoraLinear (empty without LoRA)
     dst = dict(engine_model.named_parameters())
     missing = [n for n, _ in src if n not in dst]
     extra = sorted(set(dst) - {n for n, _ in src})
@@ -68,6 +75,12 @@ def sync_weights(actor_model: nn.Module, engine_model: nn.Module, bucket_bytes: 
     for bucket in _buckets(src, dtype, bucket_bytes):
         gathered = [(name, _full(p, dtype, dst[name].device)) for name, p in bucket]
         for name, full in gathered:
+            owner, _, leaf = name.rpartition(".")
+            if leaf == "weight" and owner in adapted:   # same order on every rank: the gathers below match
+                m = adapted[owner]
+                dev = dst[name].device
+                full = merged_weight(full, _full(m.lora_A, torch.float32, dev), _full(m.lora_B, torch.float32, dev),
+                                     m.scaling)
             dst[name].copy_(full)
             written += full.numel() * full.element_size()
         del gathered
