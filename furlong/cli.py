@@ -82,12 +82,12 @@ def config_from_namespace(ns: argparse.Namespace) -> Config:
     return cfg
 
 
-def parse_config(argv: Sequence[str], command: str = "train") -> Config:
-    """Flags -> validated Config (raises UsageError / ValueError)."""
+def parse_config(argv: Sequence[str], command: str = "train", reward_given: bool = False) -> Config:
+    """Flags -> validated Config (raises UsageError / ValueError); `reward_given`: see validate."""
     parser = _Parser(prog=f"furlong {command}", add_help=False)
     add_config_flags(parser)
     cfg = config_from_namespace(parser.parse_args(list(argv)))
-    validate(cfg, command)
+    validate(cfg, command, reward_given)
     return cfg
 
 

@@ -64,9 +64,9 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _run_train(cfg: Config, ctx: DistContext) -> int:
+def _run_train(cfg: Config, ctx: DistContext, user: object = None) -> int:
     from furlong.run.loop import run_rl
-    return run_rl(cfg, ctx)
+    return run_rl(cfg, ctx, user)
 
 
 def _run_sft(cfg: Config, ctx: DistContext) -> int:
@@ -94,9 +94,10 @@ def _worker(run: Callable[[Config, DistContext], int], cfg: Config) -> int:
         destroy_distributed()
 
 
-def launch(command: str, cfg: Config) -> int:
-    """Run `command` here (one process, or one torchrun rank) or in N local workers."""
-    run = RUNS[command]
+def launch(command: str, cfg: Config, user: object = None) -> int:
+    """Run `command` here (one process, or one torchrun rank) or in N local workers; `user`: the Python
+    API's callables (run/user_functions.UserFunctions; spawned workers need them picklable)."""
+    run = RUNS[command] if user is None else functools.partial(RUNS[command], user=user)
     n = cfg.parallel.actor_num_gpus_per_node
     if cfg.parallel.actor_num_nodes > 1 and not _under_torchrun():
         raise ValueError("--actor-num-nodes: runs over several nodes are launched with "

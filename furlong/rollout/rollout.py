@@ -50,6 +50,7 @@ class RolloutSpec:
     over_sampling_batch_size: int    # prompts drawn per submitted batch
     sampling: SamplingParams         # its seed is ignored: each group derives its own
     seed: int                        # --rollout-seed
+    max_context_len: int | None = None   # --rollout-max-context-len: prompt + response tokens of a sample
 
 
 @dataclass
@@ -65,6 +66,10 @@ class RolloutMetrics:
     num_generated_tokens: int        # response tokens generated over all ranks (aborted ones too)
     seconds: float                   # wall clock of the whole rollout
     engine: dict[str, float] = field(default_factory=dict)   # this rank's engine counters (perf/*)
+    trained_tokens_mean: float = 0.0     # loss-mask tokens per kept sample (model tokens; tool tokens excluded)
+    turns_mean: float = 1.0              # model turns per kept sample
+    num_failed_samples: int = 0          # custom generate failures dropped with their groups (--custom-generate-on-error drop)
+    custom: dict[str, float] = field(default_factory=dict)   # a --rollout-function-path's own metrics, by log name
 
     def as_log(self) -> dict[str, float]:
         """miles metric names (docs/design.md §7), plus the engine's perf counters."""
@@ -76,9 +81,13 @@ class RolloutMetrics:
             "rollout/rollout_log_probs": self.rollout_log_probs,
             "rollout/num_generated_groups": float(self.num_generated_groups),
             "rollout/dynamic_filter/num_aborted": float(self.num_aborted),
+            "rollout/trained_tokens/mean": self.trained_tokens_mean,
+            "rollout/turns/mean": self.turns_mean,
+            "rollout/custom_generate/num_failed": float(self.num_failed_samples),
             "perf/rollout_time": self.seconds,
             "perf/rollout_tok_per_s": self.num_generated_tokens / max(self.seconds, 1e-9),
             **self.engine,
+            **self.custom,
         }
         for name, count in self.num_dropped.items():
             out[f"rollout/dynamic_filter/drop_{name}"] = float(count)
@@ -126,7 +135,8 @@ def to_group(prompt: Prompt, group_id: int, completions: list[Completion]) -> Gr
 
 
 def reward_groups(groups: list[Group], reward_fn: Callable[[Sample], Any]) -> None:
-    samples = [s for g in groups for s in g.samples]
+    """Rewards of the samples that have none yet (a custom generate function may have set some)."""
+    samples = [s for g in groups for s in g.samples if s.reward is None]
     for s, r in zip(samples, compute_rewards(reward_fn, samples)):
         s.reward = r
 
@@ -168,7 +178,8 @@ def generate_rollout(dataset: Any, engine: Any, reward_fn: Callable[[Sample], An
                 gid = consumed + i
                 rid = engine.new_request_id()
                 engine.add(Request(request_id=rid, prompt_ids=prompts[i].token_ids, params=spec.sampling, n=n,
-                                   seed=derive_seed(spec.seed, rollout_id, gid)))
+                                   seed=derive_seed(spec.seed, rollout_id, gid),
+                                   sample_max_new_tokens=context_cap(spec, len(prompts[i].token_ids))))
                 mine.requests[rid] = (prompts[i], gid, [])
             consumed += len(prompts)
             in_flight += len(prompts)
@@ -199,6 +210,14 @@ def generate_rollout(dataset: Any, engine: Any, reward_fn: Callable[[Sample], An
     return RolloutBatch(groups=kept, metrics=metrics)
 
 
+def context_cap(spec: RolloutSpec, num_prompt_tokens: int) -> list[int] | None:
+    """Per-sample max_new_tokens when --rollout-max-context-len leaves less room than the response limit."""
+    if spec.max_context_len is None:
+        return None
+    room = spec.max_context_len - num_prompt_tokens
+    return None if room >= spec.sampling.max_new_tokens else [room] * spec.n_samples_per_prompt
+
+
 def engine_metrics(stats: Any) -> dict[str, float]:
     """The engine's counters of one rollout as perf/ metrics (this rank's engine)."""
     return {
@@ -211,15 +230,19 @@ def engine_metrics(stats: Any) -> dict[str, float]:
 
 
 def _summarize(kept: list[Group], dropped: dict[str, int], num_aborted: int, num_finished: int,
-               num_generated_tokens: int, seconds: float, stats: Any) -> RolloutMetrics:
+               num_generated_tokens: int, seconds: float, stats: Any, num_failed: int = 0) -> RolloutMetrics:
     samples = [s for g in kept for s in g.samples]
     lens = [len(s.response_ids) for s in samples]
     num = max(len(samples), 1)
-    num_resp = sum(lens)
+    num_trained = sum(s.num_trained_tokens for s in samples)
+    model_lp = sum(sum(s.rollout_log_probs) if s.loss_mask is None else
+                   sum(lp for lp, m in zip(s.rollout_log_probs, s.loss_mask) if m) for s in samples)
     return RolloutMetrics(
         num_dropped=dropped, num_aborted=num_aborted, num_generated_groups=num_finished,
         raw_reward=sum(s.reward for s in samples) / num,
-        response_len_mean=num_resp / num, response_len_max=max(lens, default=0),
+        response_len_mean=sum(lens) / num, response_len_max=max(lens, default=0),
         truncated_ratio=sum(s.truncated for s in samples) / num,
-        rollout_log_probs=sum(sum(s.rollout_log_probs) for s in samples) / max(num_resp, 1),
-        num_generated_tokens=num_generated_tokens, seconds=seconds, engine=engine_metrics(stats))
+        rollout_log_probs=model_lp / max(num_trained, 1),   # model tokens only: tool tokens have no log-prob
+        num_generated_tokens=num_generated_tokens, seconds=seconds, engine=engine_metrics(stats),
+        trained_tokens_mean=num_trained / num, turns_mean=sum(s.num_turns for s in samples) / num,
+        num_failed_samples=num_failed)

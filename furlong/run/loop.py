@@ -16,8 +16,9 @@ import torch
 
 from furlong.config import Config
 from furlong.run.metrics import Progress, progress_line, write_samples
-from furlong.rollout.eval import run_eval
-from furlong.rollout.rollout import RolloutBatch, RolloutSpec, generate_rollout
+from furlong.rollout.rollout import RolloutBatch, RolloutSpec
+from furlong.run.rollout_step import eval_step, rollout_step
+from furlong.run.user_functions import UserFunctions
 from furlong.run.setup import RunParts, build_run
 from furlong.launch.signals import StopRequest
 from furlong.run.specs import checkpoint_paths, eval_spec, rollout_spec, sample_spec
@@ -61,12 +62,8 @@ class CiFailure(RuntimeError):
 
 
 def _rollout(parts: RunParts, spec: RolloutSpec, rollout_id: int) -> RolloutBatch:
-    """One rollout; the engine's KV cache is freed after it (colocated: the trainer needs the memory)."""
-    try:
-        return generate_rollout(parts.dataset, parts.engine, parts.reward_fn, parts.filter_fn, spec, parts.ctx,
-                                rollout_id)
-    finally:
-        parts.engine.release()
+    """One rollout (run/rollout_step.py picks which); the engine's KV cache is freed after it."""
+    return rollout_step(parts, spec, rollout_id)
 
 
 def _run_evals(parts: RunParts, rollout_id: int) -> dict[str, float]:
@@ -75,10 +72,7 @@ def _run_evals(parts: RunParts, rollout_id: int) -> dict[str, float]:
         t = time.perf_counter()
         n = spec.n_samples_per_prompt
         parts.logger.line(f"[eval {name}] generating {len(prompts)} prompts x {n} samples ...")
-        try:
-            res = run_eval(name, prompts, parts.engine, parts.reward_fn, spec.sampling, n, parts.ctx)
-        finally:
-            parts.engine.release()   # as after a rollout
+        res = eval_step(parts, name, prompts, spec)   # frees the KV cache, as after a rollout
         parts.logger.line(f"[eval {name}] {res.score:.3f} ({res.num_samples} samples, {time.perf_counter() - t:.1f}s)")
         out[f"eval/{name}"] = res.score
         if parts.ctx.rank == 0:
@@ -91,8 +85,9 @@ def _save(parts: RunParts, rollout_id: int) -> None:
     parts.logger.line(f"saved checkpoint {path} (after rollout {rollout_id + 1})")
 
 
-def run_rl(cfg: Config, ctx: DistContext) -> int:
-    parts = build_run(cfg, ctx, with_actor=True)   # validates every input before anything is written
+def run_rl(cfg: Config, ctx: DistContext, user: UserFunctions | None = None) -> int:
+    """`furlong train`; `user`: the Python API's callables in place of module-path flags (api.py)."""
+    parts = build_run(cfg, ctx, with_actor=True, user=user)   # validates every input before anything is written
     logger = parts.logger
     ci = CiChecker(cfg.log.ci_metric_checker_key if cfg.log.ci_test else None,
                    cfg.log.ci_metric_checker_threshold,

@@ -28,6 +28,7 @@ if TYPE_CHECKING:   # the engine and trainer modules are imported when a run bui
     from furlong.data import PromptDataset
     from furlong.engine import Engine
     from furlong.rollout.filters import GroupFilter
+    from furlong.run.user_functions import RolloutFunctions, UserFunctions
     from furlong.trainer.actor import Actor
     from furlong.trainer.critic import Critic
 
@@ -63,14 +64,15 @@ class RunParts:
     start_rollout: int                         # first rollout id to run (after a resume: the next one)
     num_params: int                            # the policy's parameter count (MFU)
     critic: Critic | None = None               # ppo only
+    functions: RolloutFunctions | None = None  # custom generate / rollout functions (run/rollout_step.py)
 
 
-def build_run(cfg: Config, ctx: DistContext, with_actor: bool) -> RunParts:
+def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctions | None = None) -> RunParts:
     from furlong.engine import Engine, EngineConfig
     from furlong.models.hf_io import load_pretrained
 
     # 1. inputs (nothing written yet)
-    inputs = check_inputs(cfg, with_actor)
+    inputs = check_inputs(cfg, with_actor, user)
     ckpt, tokenizer, max_resp, resume, out = (inputs.hf_checkpoint, inputs.tokenizer, inputs.max_response_len,
                                               inputs.resume, inputs.output_dir)
     dataset, critic_ckpt = inputs.dataset, inputs.critic_checkpoint
@@ -87,7 +89,8 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool) -> RunParts:
     max_prompt_len = max(len(p.token_ids) for p in inputs.prompts())
     engine = Engine(engine_model, tokenizer, eos_token_ids(ckpt, tokenizer), EngineConfig(
         kv_fraction=r.rollout_kv_fraction, max_num_seqs=r.rollout_max_num_seqs,
-        decode_window=r.rollout_decode_window, max_model_len=max_prompt_len + max_resp,
+        decode_window=r.rollout_decode_window,
+        max_model_len=max(max_prompt_len + max_resp, r.rollout_max_context_len or 0),   # multi-turn: whole context
         use_cuda_graphs=not r.rollout_enforce_eager, cascade=not r.rollout_no_cascade))
     actor = critic = None
     if with_actor:
@@ -144,4 +147,4 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool) -> RunParts:
                     f"done); {dropped} metrics line(s) after it dropped from {out / 'metrics.jsonl'}")
     return RunParts(cfg=cfg, ctx=ctx, output_dir=out, logger=logger, dataset=dataset, eval_sets=inputs.eval_sets,
                     engine=engine, reward_fn=inputs.reward_fn, filter_fn=inputs.filter_fn, actor=actor,
-                    start_rollout=start_rollout, num_params=num_params, critic=critic)
+                    start_rollout=start_rollout, num_params=num_params, critic=critic, functions=inputs.functions)

@@ -94,7 +94,7 @@ def rollout_spec(cfg: Config) -> RolloutSpec:
                               stop_token_ids=list(r.rollout_stop_token_ids))
     return RolloutSpec(rollout_batch_size=r.rollout_batch_size, n_samples_per_prompt=r.n_samples_per_prompt,
                        over_sampling_batch_size=cfg.over_sampling_batch_size, sampling=sampling,
-                       seed=cfg.data.rollout_seed)
+                       seed=cfg.data.rollout_seed, max_context_len=r.rollout_max_context_len)
 
 
 def eval_spec(cfg: Config) -> EvalSpec:

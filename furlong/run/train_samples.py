@@ -10,7 +10,9 @@ the estimator named by --advantage-estimator, and `--normalize-advantages`
 whitening (always on for the reinforce_plus_plus family, which miles requires it
 for). Every rank holds the whole batch here, so batch statistics are global
 without a collective. With a critic, samples also carry the values and the GAE
-returns (unwhitened) that the critic trains on.
+returns (unwhitened) that the critic trains on. A multi-turn sample's loss mask (0 on
+tool/environment tokens) goes into its TrainSample: the loss weights, token counts, KL and
+entropy terms all read it (trainer/batching.py, algorithms/losses.py).
 """
 from __future__ import annotations
 
@@ -60,7 +62,8 @@ def build_train_samples(groups: list[Group], spec: SampleSpec, actor, critic=Non
     samples = [TrainSample(token_ids=torch.tensor(s.prompt.token_ids + s.response_ids, dtype=torch.long),
                            num_prompt_tokens=len(s.prompt.token_ids),
                            advantages=torch.zeros(len(s.response_ids)),
-                           rollout_log_probs=torch.tensor(s.rollout_log_probs, dtype=torch.float32))
+                           rollout_log_probs=torch.tensor(s.rollout_log_probs, dtype=torch.float32),
+                           loss_mask=None if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float32))
                for g in groups for s in g.samples]
     kl_in_reward = spec.advantage.kl_coef > 0
     if spec.use_rollout_logprobs:
@@ -73,7 +76,8 @@ def build_train_samples(groups: list[Group], spec: SampleSpec, actor, critic=Non
         for s, lp in zip(samples, actor.compute_log_probs(samples, which="ref")):
             s.ref_log_probs = lp
 
-    masks = [torch.ones(s.num_response_tokens) for s in samples]
+    # tool/environment tokens (loss mask 0) take no part in whitening, returns or the KL penalty's sums
+    masks = [torch.ones(s.num_response_tokens) if s.loss_mask is None else s.loss_mask for s in samples]
     kl = None
     if kl_in_reward:
         kl = [kl_penalty(s.old_log_probs, s.ref_log_probs, spec.kl_loss_type) for s in samples]

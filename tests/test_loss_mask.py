@@ -1,0 +1,62 @@
+"""Tool/environment tokens (loss mask 0) get exactly zero gradient from the policy loss, the KL loss and
+the entropy bonus, count in no token total (--calculate-per-token-loss), and a Sample's mask reaches the
+TrainSample."""
+from __future__ import annotations
+
+import torch
+
+from furlong.algorithms.losses import LossParams, rl_loss
+from furlong.run.train_samples import SampleSpec, build_train_samples
+from furlong.algorithms.advantages import AdvantageParams
+from furlong.trainer.batching import num_loss_tokens, pack_micro_batch, step_loss_weights
+from furlong.types import Group, Prompt, Sample, TrainSample
+
+
+def _sample(mask: list[int], seed: int) -> TrainSample:
+    g = torch.Generator().manual_seed(seed)
+    r = len(mask)
+    return TrainSample(token_ids=torch.randint(0, 50, (3 + r,), generator=g), num_prompt_tokens=3,
+                       advantages=torch.randn(r, generator=g), rollout_log_probs=-torch.rand(r, generator=g),
+                       old_log_probs=-torch.rand(r, generator=g), ref_log_probs=-torch.rand(r, generator=g),
+                       loss_mask=torch.tensor(mask, dtype=torch.float32))
+
+
+def test_masked_tokens_get_zero_gradient_and_no_count():
+    samples = [_sample([1, 1, 0, 0, 0, 1], 0), _sample([1, 0, 0, 1], 1)]
+    assert num_loss_tokens(samples) == 5
+    for per_token in (False, True):
+        weights = step_loss_weights(samples, "seq-mean-token-mean", per_token, 16)
+        mb = pack_micro_batch(samples, weights, [0, 1])
+        log_probs = (-torch.rand(mb.num_tokens)).requires_grad_()
+        entropy = torch.rand(mb.num_tokens).requires_grad_()
+        params = LossParams(eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=3.0, use_kl_loss=True, kl_loss_coef=0.1,
+                            kl_loss_type="low_var_kl", entropy_coef=0.01, use_tis=True, tis_clip=2.0,
+                            tis_clip_low=0.0, use_unbiased_kl=True, sequence_ratio=False)
+        loss, _ = rl_loss(mb, log_probs, entropy, params)
+        loss.backward()
+        trained = mb.response_mask.bool()
+        assert int(trained.sum()) == 5
+        assert torch.all(log_probs.grad[~trained] == 0) and torch.all(entropy.grad[~trained] == 0)
+        assert torch.all(log_probs.grad[trained] != 0) and torch.all(entropy.grad[trained] != 0)
+        if per_token:   # every trained token weighs 1/5, whichever sample it is in
+            torch.testing.assert_close(mb.loss_weight[trained], torch.full((5,), 0.2))
+
+
+def test_sample_mask_reaches_train_sample():
+    prompt = Prompt(row=0, raw="q", text="q", token_ids=[1, 2], label="")
+    samples = []
+    for j in range(2):
+        s = Sample(prompt=prompt, group_id=0, index=j, response_ids=[], response_text="", rollout_log_probs=[],
+                   finish_reason="pending", reward=float(j))
+        s.add_model_tokens([5, 6], [-0.1, -0.2], "ab")
+        s.add_tool_tokens([7, 8, 9], "cde")
+        s.add_model_tokens([10], [-0.3], "f")
+        samples.append(s)
+    assert samples[0].num_turns == 2 and samples[0].num_trained_tokens == 3 and samples[0].tokens[-1] == 10
+    spec = SampleSpec(advantage_estimator="grpo", use_rollout_logprobs=True, use_kl_loss=False, kl_loss_type="k1",
+                      normalize_advantages=True, overlong_buffer_len=None, overlong_penalty_factor=1.0,
+                      max_response_len=16, advantage=AdvantageParams(normalize_std=True, normalize_rewards=True,
+                                                                     kl_coef=0.0, gamma=1.0, lambd=1.0))
+    out = build_train_samples([Group(0, samples)], spec, actor=None)
+    assert out[0].loss_mask.tolist() == [1, 1, 0, 0, 0, 1]
+    assert out[0].rollout_log_probs.tolist()[2:5] == [0.0, 0.0, 0.0]
