@@ -129,7 +129,8 @@ def gather_lists(items: list[Any], ranks: DistContext | None) -> list[Any]:
 
 def to_group(prompt: Prompt, group_id: int, completions: list[Completion]) -> Group:
     samples = [Sample(prompt=prompt, group_id=group_id, index=c.index, response_ids=c.token_ids,
-                      response_text=c.text, rollout_log_probs=c.log_probs, finish_reason=c.finish_reason)
+                      response_text=c.text, rollout_log_probs=c.log_probs, finish_reason=c.finish_reason,
+                      metadata=dict(prompt.metadata))
                for c in sorted(completions, key=lambda c: c.index)]
     return Group(group_id=group_id, samples=samples)
 
