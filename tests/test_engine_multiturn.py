@@ -138,3 +138,38 @@ def test_prefix_attention_reference_matches_full_causal():
 def test_retained_requests_need_n_1(ckpt):
     with pytest.raises(ValueError, match="n = 1"):
         engine(ckpt).add(Request(0, [3, 4], greedy(2), n=2, retain_kv=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_prefix_prefill_flash_matches_reference_on_gpu():
+    """The flash varlen path (bottom-right causal alignment when keys outnumber queries) against the
+    reference, through the context's gather out of a paged cache."""
+    from furlong.engine.kv_cache import PagedKVCache, PrefillContext
+    from furlong.engine.prefix_prefill import prefix_prefill_context
+    from furlong.engine.scheduler import PrefillItem
+    torch.manual_seed(0)
+    dev, page = torch.device("cuda"), 16
+    cache = PagedKVCache(torch.randn(12, 1, 2, page, 64, device=dev, dtype=torch.bfloat16),
+                         torch.randn(12, 1, 2, page, 64, device=dev, dtype=torch.bfloat16))
+    seqs = [Sequence(request=Request(i, [1], greedy(1)), index=0, token_ids=[1], num_prompt_tokens=1, seed32=0,
+                     block_table=t) for i, t in enumerate([[3, 5, 7], [2, 9], [4]])]
+    items = [PrefillItem([seqs[0]], [0] * 5, [], start=33), PrefillItem([seqs[1]], [0] * 20, [], start=0),
+             PrefillItem([seqs[2]], [0] * 3, [], start=9)]
+    pages, offs, cu = [], [], [0]
+    for it in items:
+        for i in range(it.start, it.start + len(it.token_ids)):
+            pages.append(it.sequences[0].block_table[i // page])
+            offs.append(i % page)
+        cu.append(cu[-1] + len(it.token_ids))
+    new = PrefillContext(cache, torch.tensor(pages, device=dev), torch.tensor(offs, device=dev),
+                         torch.tensor(cu, device=dev, dtype=torch.int32), 20)
+    ctx = prefix_prefill_context(new, items, dev)
+    q = torch.randn(cu[-1], 4, 64, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(cu[-1], 2, 64, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(cu[-1], 2, 64, device=dev, dtype=torch.bfloat16)
+    got = ctx.attend(0, q, k, v)
+    keys, values = cache.layer(0)
+    kk, vv = keys[ctx.key_page, :, ctx.key_offset], values[ctx.key_page, :, ctx.key_offset]
+    want = prefix_attention_reference(q.float(), kk.float(), vv.float(), ctx.query_bounds, ctx.key_bounds)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=0)
