@@ -34,7 +34,7 @@ class DataConfig:
     rollout_max_prompt_len: int | None = flag(None, "drop prompts longer than this many tokens")
     apply_chat_template_kwargs: str = flag("{}", "JSON object of extra chat-template arguments, e.g. "
                                            "'{\"enable_thinking\": false}' for Qwen3")
-    tool_key: str = flag("tools", "column of tool specs given to the chat template (tools=...); rows without it have none")
+    tool_key: str = flag("tools", "column of tool specs given to the chat template (tools=...); rows without have none")
     metadata_key: str = flag("metadata", "column of a per-row metadata dict (Sample.metadata)")
 
 

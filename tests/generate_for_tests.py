@@ -1,4 +1,4 @@
-"""Custom generate / rollout functions for the tests (`--custom-generate-function-path tests.generate_for_tests.<fn>`)."""
+"""Custom generate / rollout functions for the tests (--custom-generate-function-path tests.generate_for_tests.X)."""
 from __future__ import annotations
 
 import asyncio

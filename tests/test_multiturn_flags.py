@@ -41,7 +41,8 @@ def test_tools_metadata_and_template_kwargs_reach_the_prompt(tmp_path):
     ds = PromptDataset(write(tmp_path / "d.jsonl", rows), tok, apply_chat_template=True, tool_key="tools",
                        metadata_key="metadata", chat_template_kwargs={"enable_thinking": False})
     p = ds.all()
-    assert p[0].text == "[1 tools: calculator][no think]<user>a<assistant>" and p[1].text == p[0].text.replace("a<", "b<")
+    assert p[0].text == "[1 tools: calculator][no think]<user>a<assistant>"
+    assert p[1].text == p[0].text.replace("a<", "b<")
     assert p[0].metadata == {"id": 7, "tools": TOOLS} and p[1].metadata["id"] == 8
     assert p[2].text == "[no think]<user>c<assistant>" and p[2].metadata == {}
     bad = [{"input": "x", "tools": "{not json"}]

@@ -28,7 +28,8 @@ from furlong.types import Prompt  # noqa: E402
 def test_calculator_values():
     assert evaluate("12345 * 67890") == 838102050
     assert evaluate("(2 + 3) * -4 ** 2") == -80 and evaluate("7 // 2") == 3 and evaluate("2^10") == 1024
-    assert calculator("1 / 4") == "0.25" and calculator("10 / 2") == "5" and calculator("99999 * 99999") == "9999800001"
+    assert calculator("1 / 4") == "0.25" and calculator("10 / 2") == "5"
+    assert calculator("99999 * 99999") == "9999800001"
     assert calculator("2 ** 200") == str(2 ** 200)                  # big ints stay exact
 
 

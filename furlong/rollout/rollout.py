@@ -68,7 +68,7 @@ class RolloutMetrics:
     engine: dict[str, float] = field(default_factory=dict)   # this rank's engine counters (perf/*)
     trained_tokens_mean: float = 0.0     # loss-mask tokens per kept sample (model tokens; tool tokens excluded)
     turns_mean: float = 1.0              # model turns per kept sample
-    num_failed_samples: int = 0          # custom generate failures dropped with their groups (--custom-generate-on-error drop)
+    num_failed_samples: int = 0          # custom generate failures dropped with their groups (on-error drop)
     custom: dict[str, float] = field(default_factory=dict)   # a --rollout-function-path's own metrics, by log name
 
     def as_log(self) -> dict[str, float]:
