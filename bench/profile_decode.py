@@ -5,9 +5,12 @@ B rows at one context on random Qwen3-0.6B weights, profiled with torch.profiler
 with cascade attention on and off (alternating, 3 each, same rows).
 
     python3 bench/profile_decode.py [--batch 256] [--context 384] [--prompt P] [--group N] [--no-cascade]
-        [--out DIR]
+        [--kv-dtype bf16,fp8_e4m3] [--out DIR]
 --group N: the B rows are B/N requests of N samples each (one shared prompt per request: cascade
 attention reads it once per group unless --no-cascade); default 1, every row its own prompt.
+--kv-dtype: the KV cache's dtype (EngineConfig.kv_dtype); a comma list profiles each in turn, same
+rows and weights, one engine after the other: profile_decode.json holds one result per dtype
+under "runs" (a single dtype: that result alone, as before).
 """
 from __future__ import annotations
 
@@ -28,8 +31,11 @@ from furlong.models.hf_config import ModelArgs
 
 KINDS = (("attention (paged decode)", ("_decode_attn", "_combine")), ("sampler", ("_sample_",)),
          ("matmul", ("gemm", "gemv", "cutlass", "sm90", "nvjet", "cublas")),
-         ("KV write (index_put)", ("index_put", "indexing_backward", "index_elementwise")),
+         ("KV write", ("_store_kv", "index_put", "indexing_backward", "index_elementwise")),
          ("fused norm/rope/silu (compiled)", ("triton_",)), ("copy/cast/elementwise", ("elementwise", "copy", "fill")))
+
+
+STEPS = 24   # decode steps of head-room past the context
 
 
 def kind(name: str) -> str:
@@ -42,6 +48,7 @@ def kind(name: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--kv-dtype", default="bf16", help="KV cache dtype(s), comma-separated: bf16, fp8_e4m3")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--context", type=int, default=384)
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default: the whole context)")
@@ -52,16 +59,32 @@ def main() -> None:
     prompt_len = a.context if a.prompt is None else a.prompt
     if a.batch % a.group or not 0 < prompt_len <= a.context:
         ap.error(f"--group {a.group} must divide --batch {a.batch}; --prompt must be in [1, --context]")
+    kv_dtypes = a.kv_dtype.split(",")
     w = load_workload(Path(__file__).with_name("seed_workload.json"))
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = Transformer(ModelArgs.from_hf_config(w.model)).to(torch.bfloat16).eval()
-    steps = 24
-    # cascade_min_prefix 1: the kernel is timed with and without groups whatever the prompt length
-    eng = Engine(model, NullTokenizer(), [], EngineConfig(max_model_len=a.context + 4 * steps, max_num_seqs=a.batch,
-                                                          cascade_min_prefix=1))
     prompts = torch.randint(0, w.model["vocab_size"], (a.batch // a.group, prompt_len)).tolist()
-    params = SamplingParams(temperature=1.0, max_new_tokens=a.context - prompt_len + 4 * steps, ignore_eos=True)
+    runs = []
+    for kv_dtype in kv_dtypes:
+        try:
+            cfg = EngineConfig(max_model_len=a.context + 4 * STEPS, max_num_seqs=a.batch, cascade_min_prefix=1,
+                               kv_dtype=kv_dtype)
+        except ValueError as e:
+            ap.error(str(e))
+        runs.append(profile(model, cfg, prompts, a, prompt_len))
+    res = runs[0] if len(runs) == 1 else {"runs": runs}
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "profile_decode.json").write_text(json.dumps(res, indent=1))
+    print(json.dumps(res, indent=1))
+
+
+def profile(model: Transformer, cfg: EngineConfig, prompts: list[list[int]], a: argparse.Namespace,
+            prompt_len: int) -> dict:
+    """One engine at this config: rows decoded to the context, then timed and profiled."""
+    # cascade_min_prefix 1 (cfg): the kernel is timed with and without groups whatever the prompt length
+    eng = Engine(model, NullTokenizer(), [], cfg)
+    params = SamplingParams(temperature=1.0, max_new_tokens=a.context - prompt_len + 4 * STEPS, ignore_eos=True)
     for i, p in enumerate(prompts):
         eng.add(Request(i, p, params, n=a.group, seed=i))
     while eng.scheduler.waiting:
@@ -96,16 +119,19 @@ def main() -> None:
         per_kind[kind(e.key)] += us / 4 / 1000
         per_kernel[e.key] += us / 4 / 1000
     total = sum(per_kind.values())
-    res = {"batch": a.batch, "context": a.context, "prompt": prompt_len, "group": a.group,
+    res = {"kv_dtype": cfg.kv_dtype, "kv_bytes_per_token": eng.runner.page_bytes() / cfg.page_size,
+           "batch": a.batch, "context": a.context, "prompt": prompt_len, "group": a.group,
            "grouped_rows": sum(1 for p in plan_groups(seqs, runner.members).prefix_lens if p > 0),
            "graphed_step_ms": sorted(graphed[runner.cascade])[1], "graphed_step_ms_cascade": graphed[True],
            "graphed_step_ms_no_cascade": graphed[False], "profiled_cascade": runner.cascade,
            "kernel_ms_per_step": total,
            "by_kind_ms": dict(sorted(per_kind.items(), key=lambda kv: -kv[1])),
            "top_kernels_ms": dict(sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15])}
-    Path(a.out).mkdir(parents=True, exist_ok=True)
-    (Path(a.out) / "profile_decode.json").write_text(json.dumps(res, indent=1))
-    print(json.dumps(res, indent=1))
+    runner.use_cuda_graphs = True
+    for s in seqs:
+        eng.scheduler.finish(s, "abort")            # the pages taken outside the scheduler go back too
+    eng.release()
+    return res
 
 
 if __name__ == "__main__":

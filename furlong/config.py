@@ -30,7 +30,8 @@ class DataConfig:
     label_key: str | None = flag(None, "column holding the label")
     apply_chat_template: bool = flag(False, "format prompts with the tokenizer's chat template")
     rollout_shuffle: bool = flag(False, "shuffle prompts each epoch (seeded by --rollout-seed)")
-    rollout_seed: int = flag(42, "seed for prompt shuffling and sampling")
+    rollout_seed: int | None = flag(None, "seed for prompt shuffling and sampling (default: from --seed; "
+                                                "42 with the default --seed, as in miles)")
     rollout_max_prompt_len: int | None = flag(None, "drop prompts longer than this many tokens")
     apply_chat_template_kwargs: str = flag("{}", "JSON object of extra chat-template arguments, e.g. "
                                            "'{\"enable_thinking\": false}' for Qwen3")
@@ -75,6 +76,9 @@ class RolloutConfig:
     rollout_decode_window: int = flag(16, "engine: decode steps between host syncs (finished rows leave then)")
     rollout_enforce_eager: bool = flag(False, "engine: no CUDA graphs (debugging)")
     rollout_no_cascade: bool = flag(False, "engine: each sample reads its prompt's KV itself, not once per group")
+    rollout_kv_dtype: str = flag("auto", "engine KV cache: auto (the model's dtype) | bf16 | fp8_e4m3 (half the bytes: "
+                                 "~2x the tokens and faster long decodes; one scale per token and KV head)",
+                                 aliases=["--sglang-kv-cache-dtype"])
     sglang_decode_log_interval: int | None = flag(None, "SGLang only", sglang=True)
     sglang_enable_metrics: bool = flag(False, "SGLang only", sglang=True)
 
@@ -145,6 +149,8 @@ class OptimConfig:
     adam_beta2: float = flag(0.95, "Adam beta2")
     adam_eps: float = flag(1e-8, "Adam epsilon")
     clip_grad: float = flag(1.0, "gradient norm clip (0: off)")
+    max_nonfinite_skips: int = flag(5, "stop the run after this many optimizer steps in a row were skipped for a "
+                                       "non-finite gradient norm (0: never; furlong only, miles has no such stop)")
 
 
 @dataclass
@@ -170,7 +176,12 @@ class ParallelConfig:
     fsdp_reshard_after_forward: bool = flag(
         False, "free each layer's gathered weights after its forward and re-gather them in backward and for "
                "every micro-batch (saves one compute-dtype copy of the model per rank; slower)")
-    seed: int = flag(1234, "trainer seed")
+    seed: int = flag(1234, "seeds every random draw: python, numpy and torch, and the rollout's sampling and "
+                           "prompt order unless --rollout-seed is given")
+    distributed_timeout_minutes: int = flag(10, "minutes any collective (and the rendezvous) may wait for a peer "
+                                            "before the run stops with one line naming it")
+    use_fault_tolerance: bool = flag(False, "resume by itself: --load defaults to --save, so workers that "
+                                     "torchrun restarts (--max-restarts N) continue from the last checkpoint")
 
 
 @dataclass
@@ -203,6 +214,9 @@ class LogConfig:
 class SftConfig:
     num_epoch: int = flag(1, "SFT: passes over the data")
     sft_max_len: int = flag(2048, "SFT: truncate samples to this many tokens")
+
+
+ROLLOUT_SEED_OFFSET = 42 - 1234   # miles' default --rollout-seed minus its default --seed
 
 
 @dataclass(frozen=True)
@@ -248,6 +262,14 @@ class Config:
     def over_sampling_batch_size(self) -> int:
         o = self.rollout.over_sampling_batch_size
         return self.rollout.rollout_batch_size if o is None else o
+
+    @property
+    def rollout_seed(self) -> int:
+        """--rollout-seed, else derived from --seed (so --seed alone decides every draw): offset so that
+        miles' two defaults coincide (--seed 1234 gives --rollout-seed 42, miles' default)."""
+        if self.data.rollout_seed is not None:
+            return self.data.rollout_seed
+        return (self.parallel.seed + ROLLOUT_SEED_OFFSET) % 2**63   # non-negative, as a flag value must be
 
     def eval_sampling(self) -> EvalSampling:
         """Eval sampling settings, each falling back to the rollout's."""

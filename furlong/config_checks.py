@@ -7,6 +7,7 @@ themselves are config.py's dataclasses; inputs such as files are checked later b
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from furlong.config import Config, RolloutConfig
 
@@ -41,8 +42,9 @@ def validate(cfg: Config, command: str = "train", reward_given: bool = False) ->
     """Check flag values and combinations; raise ValueError('--flag: why'). `reward_given`: the Python
     API hands in a reward callable (api.py), which stands for --custom-rm-path."""
     d, r, a, o, b, p, e = cfg.data, cfg.rollout, cfg.algo, cfg.optim, cfg.batch, cfg.parallel, cfg.eval
-    if command in ("train", "sft", "eval"):
-        _need(d.hf_checkpoint is not None, "--hf-checkpoint", "required")
+    if command in ("train", "sft") or (command == "eval" and cfg.ckpt.load is None):
+        _need(d.hf_checkpoint is not None, "--hf-checkpoint", "required" + (" (or --load, whose checkpoint records "
+                                                                             "it)" if command == "eval" else ""))
     if command in ("train", "sft"):
         _need(d.prompt_data is not None, "--prompt-data", "required")
     if command == "train":
@@ -68,6 +70,8 @@ def validate(cfg: Config, command: str = "train", reward_given: bool = False) ->
     _need(r.rollout_num_gpus is None or r.rollout_num_gpus == num_gpus, "--rollout-num-gpus",
           f"the built-in engine is colocated: it runs on the actor's {num_gpus} GPU(s)")
     _need(0 < r.rollout_kv_fraction < 1, "--rollout-kv-fraction", "must be in (0, 1)")
+    _need(r.rollout_kv_dtype in ("auto", "bf16", "fp8_e4m3"), "--rollout-kv-dtype",
+          f"unknown KV cache dtype {r.rollout_kv_dtype!r} (auto, bf16, fp8_e4m3)")
     _need(r.rollout_max_num_seqs >= 1, "--rollout-max-num-seqs", "must be >= 1")
     _need(1 <= r.rollout_decode_window <= 64, "--rollout-decode-window", "must be in [1, 64]")
     _need(len(e.eval_prompt_data) % 2 == 0, "--eval-prompt-data", "expects pairs: name path [name path ...]")
@@ -117,8 +121,7 @@ def validate(cfg: Config, command: str = "train", reward_given: bool = False) ->
     _need(o.optimizer == "adam", "--optimizer", f"unknown optimizer {o.optimizer!r} (adam)")
     _need(o.lr_decay_style in ("constant", "linear", "cosine"), "--lr-decay-style",
           f"unknown style {o.lr_decay_style!r} (constant, linear, cosine)")
-    _need(o.lr >= 0, "--lr", "must be >= 0")
-    _need(o.clip_grad >= 0, "--clip-grad", "must be >= 0")
+    _check_optim(cfg)
     _need(b.micro_batch_size >= 1, "--micro-batch-size", "must be >= 1")
     _need(b.global_batch_size is None or b.global_batch_size >= 1, "--global-batch-size", "must be >= 1")
     _need(b.num_steps_per_rollout is None or b.num_steps_per_rollout >= 1, "--num-steps-per-rollout", "must be >= 1")
@@ -135,6 +138,12 @@ def validate(cfg: Config, command: str = "train", reward_given: bool = False) ->
     _need(p.actor_num_gpus_per_node >= 1, "--actor-num-gpus-per-node", "must be >= 1")
     _need(p.actor_num_nodes >= 1, "--actor-num-nodes", "must be >= 1")
     _need(p.device in ("auto", "cpu", "cuda"), "--device", f"unknown device {p.device!r}")
+    _need(p.distributed_timeout_minutes >= 1, "--distributed-timeout-minutes", "must be >= 1")
+    _need(not p.use_fault_tolerance or cfg.ckpt.save is not None, "--use-fault-tolerance",
+          "needs --save (a restarted worker resumes from the run's last checkpoint there)")
+    _need(not p.use_fault_tolerance or cfg.ckpt.load in (None, cfg.ckpt.save) and cfg.ckpt.ckpt_step is None,
+          "--use-fault-tolerance", "resumes from --save's latest checkpoint: leave --load unset (or equal to "
+          "--save) and --ckpt-step unset")
     _need(p.dtype in ("auto", "bf16", "fp32"), "--dtype", f"unknown dtype {p.dtype!r}")
     _need(p.torch_compile in ("auto", "on", "off"), "--torch-compile", f"expected auto, on or off, got {p.torch_compile!r}")
     _need(cfg.ckpt.save_interval is None or cfg.ckpt.save is not None, "--save-interval", "needs --save")
@@ -149,6 +158,9 @@ def validate(cfg: Config, command: str = "train", reward_given: bool = False) ->
               "(--rollout-batch-size x --n-samples-per-prompt)")
         _need(b.num_steps_per_rollout is None or kept % b.num_steps_per_rollout == 0, "--num-steps-per-rollout",
               f"{b.num_steps_per_rollout} does not divide the {kept} samples of a rollout")
+        num_steps = b.num_steps_per_rollout or (max(kept // b.global_batch_size, 1) if b.global_batch_size else 1)
+        _need(not a.skip_actor_forward_only or num_steps == 1, "--skip-actor-forward-only",
+              f"only exact with one optimizer step per rollout (this run takes {num_steps})")
     if cfg.log.use_tensorboard:
         import importlib.util
         _need(importlib.util.find_spec("tensorboard") is not None, "--use-tensorboard",
@@ -160,3 +172,38 @@ def validate(cfg: Config, command: str = "train", reward_given: bool = False) ->
         _need(cfg.log.ci_metric_checker_key is not None, "--ci-metric-checker-key", "required with --ci-test")
         _need(cfg.log.ci_metric_checker_threshold is not None, "--ci-metric-checker-threshold", "required with --ci-test")
     _need(cfg.sft.num_epoch >= 1, "--num-epoch", "must be >= 1")
+    _check_seeds_and_names(cfg)
+
+
+def _check_optim(cfg: Config) -> None:
+    """Optimizer values that would otherwise surface after the model loads, or never (a NaN loss)."""
+    o = cfg.optim
+    _need(math.isfinite(o.lr) and o.lr >= 0, "--lr", f"must be a finite number >= 0, got {o.lr}")
+    _need(math.isfinite(o.min_lr) and o.min_lr >= 0, "--min-lr", f"must be a finite number >= 0, got {o.min_lr}")
+    _need(o.min_lr <= o.lr, "--min-lr",
+          f"{o.min_lr} is above --lr {o.lr}: the decay would raise the learning rate")
+    _need(0 <= o.adam_beta1 < 1, "--adam-beta1", f"must be in [0, 1), got {o.adam_beta1}")
+    _need(0 <= o.adam_beta2 < 1, "--adam-beta2", f"must be in [0, 1), got {o.adam_beta2}")
+    _need(math.isfinite(o.adam_eps) and o.adam_eps > 0, "--adam-eps", f"must be a finite number > 0, got {o.adam_eps}")
+    _need(math.isfinite(o.weight_decay) and o.weight_decay >= 0, "--weight-decay",
+          f"must be a finite number >= 0, got {o.weight_decay}")
+    _need(o.lr_warmup_iters >= 0, "--lr-warmup-iters", f"must be >= 0, got {o.lr_warmup_iters}")
+    _need(o.lr_decay_iters is None or o.lr_decay_iters >= 1, "--lr-decay-iters",
+          f"must be >= 1, got {o.lr_decay_iters}")
+    _need(math.isfinite(o.clip_grad) and o.clip_grad >= 0, "--clip-grad", f"must be a finite number >= 0 (0: off)")
+    _need(o.max_nonfinite_skips >= 0, "--max-nonfinite-skips", "must be >= 0 (0: never stop)")
+    a = cfg.algo
+    _need(a.critic_lr is None or math.isfinite(a.critic_lr), "--critic-lr", "must be finite")
+
+
+def _check_seeds_and_names(cfg: Config) -> None:
+    from furlong.seeding import MAX_SEED
+    _need(0 <= cfg.parallel.seed <= MAX_SEED, "--seed", f"must be in [0, 2**63 - 1], got {cfg.parallel.seed}")
+    rs = cfg.data.rollout_seed
+    _need(rs is None or 0 <= rs <= MAX_SEED, "--rollout-seed", f"must be in [0, 2**63 - 1], got {rs}")
+    _need(cfg.reward.custom_rm_path is None or cfg.reward.custom_rm_path.strip() != "", "--custom-rm-path",
+          "is empty; give module.function or leave the flag out")
+    names = [name for name, _ in cfg.eval_sets()]
+    dup = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    _need(dup is None, "--eval-prompt-data", f"two eval sets are named {dup!r}; their results and files would "
+          "overwrite each other")

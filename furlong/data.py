@@ -44,6 +44,7 @@ class RawRow:
     extras: dict[str, Any] = field(default_factory=dict)   # the optional columns (tools, metadata) the row has
 
 
+_ABSENT = object()   # a jsonl row without the key (None is a JSON null)
 _SLICE = re.compile(r"^(?P<path>.+)@\[(?P<a>[+-]?\d*):(?P<b>[+-]?\d*)\]$")
 
 
@@ -62,14 +63,23 @@ def _read_jsonl(path: Path, rows: slice, input_key: str, label_key: str | None, 
                 ) -> list[tuple[int, str, Any, Any, dict]]:
     """(row index, location text, input value, label value, optional columns present) of the selected rows;
     only those are parsed."""
-    with open(path, encoding="utf-8") as f:
-        lines = [(no, line) for no, line in enumerate(f, start=1) if line.strip()]
+    with open(path, "rb") as f:
+        raw_lines = f.read().split(b"\n")
+    lines = []
+    for no, b in enumerate(raw_lines, start=1):
+        try:
+            line = b.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: line {no}: not UTF-8 text (byte {b[e.start]:#04x} at column {e.start + 1})") \
+                from None
+        if line.strip():
+            lines.append((no, line))
     out = []
     for index in range(len(lines))[rows]:
         line_no, line = lines[index]
         where = f"{path}: row {index + 1}" + (f" (line {line_no})" if line_no != index + 1 else "")
         rec = json_object(line, where, DataError)
-        out.append((index, where, rec.get(input_key), rec.get(label_key) if label_key else None,
+        out.append((index, where, rec.get(input_key, _ABSENT), rec.get(label_key, _ABSENT) if label_key else None,
                     {k: rec[k] for k in extra_keys if rec.get(k) is not None}))
     return out
 
@@ -110,6 +120,8 @@ def load_rows(path_spec: str, input_key: str, label_key: str | None, extra_keys:
     `extra_keys` are optional columns kept in RawRow.extras where a row has them."""
     path_str, rows = parse_path_spec(path_spec)
     path = Path(path_str)
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory; give a .jsonl or .parquet file")
     if not path.is_file():
         raise DataError(f"{path}: file not found")
     reader = _READERS.get(path.suffix.lower())
@@ -120,10 +132,11 @@ def load_rows(path_spec: str, input_key: str, label_key: str | None, extra_keys:
         raise DataError(f"{path_spec}: empty data set (no rows selected)")
     out = []
     for index, where, value, label, extras in raw:
-        if value is None:
-            raise DataError(f"{where}: missing input key {input_key!r}")
-        if label_key is not None and label is None:
-            raise DataError(f"{where}: missing label key {label_key!r}")
+        for kind, key, v in (("input", input_key, value), ("label", label_key, label)):
+            if key is not None and v is _ABSENT:
+                raise DataError(f"{where}: missing {kind} key {key!r}")
+            if key is not None and v is None:
+                raise DataError(f"{where}: {kind} key {key!r} is null")
         out.append(RawRow(row=index, raw=value, label="" if label is None else str(label), extras=extras))
     return out
 

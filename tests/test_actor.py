@@ -20,7 +20,9 @@ from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
 from furlong.config import Config  # noqa: E402
 from furlong.models.hf_io import load_pretrained  # noqa: E402
-from furlong.run.specs import actor_spec  # noqa: E402
+from furlong.config_checks import validate  # noqa: E402
+from furlong.run.specs import actor_spec, step_spec  # noqa: E402
+from furlong.run.step import log_prob_passes, old_log_probs, ref_log_probs  # noqa: E402
 from furlong.trainer.actor import Actor  # noqa: E402
 from furlong.launch.distributed import WorkerError, all_reduce_max, all_reduce_sum, init_distributed, launch_local  # noqa: E402
 from furlong.trainer.memory_probe import CPU_DEFAULT_TOKENS, ProbeMeasurement, choose_max_tokens, probe_max_tokens  # noqa: E402
@@ -69,6 +71,18 @@ def synthetic_samples(lengths: list[int], seed: int = 0) -> list[TrainSample]:
             advantages=torch.randn(r, generator=g), rollout_log_probs=-torch.rand(r, generator=g) * 5,
             loss_mask=mask))
     return out
+
+
+def train_rollout(actor: Actor, cfg: Config, samples: list[TrainSample]):
+    """One rollout's training as the loop runs it (run/step.py): the log-prob passes the flags
+    call for, then train_step (on copies: the stages set fields of the samples)."""
+    a = cfg.algo
+    passes = log_prob_passes(a.use_rollout_logprobs, a.use_kl_loss, a.kl_coef, a.skip_actor_forward_only,
+                             step_spec(cfg).num_optimizer_steps(len(samples)))
+    samples = [dataclasses.replace(s) for s in samples]
+    old_log_probs(samples, actor, passes.old)
+    ref_log_probs(samples, actor, passes.ref)
+    return actor.train_step(samples)
 
 
 def full_weights(actor: Actor) -> dict[str, torch.Tensor]:
@@ -122,7 +136,7 @@ def test_reuse_equals_two_pass(tiny_ckpt):
     for explicit in (False, True):
         cfg = tiny_config(micro_batch_size=2, eps_clip_high=0.28)
         actor = Actor(load_pretrained(tiny_ckpt), actor_spec(cfg), ctx)
-        assert actor.reuses_old_log_probs(len(samples))
+        assert log_prob_passes(False, False, 0.0, None, step_spec(cfg).num_optimizer_steps(len(samples))).old == "training"
         batch = samples
         if explicit:
             old = actor.compute_log_probs(samples, "old")
@@ -151,11 +165,24 @@ def test_gradient_checkpointing_same_gradients(tiny_ckpt):
         torch.testing.assert_close(grads[1][n], g, rtol=1e-5, atol=1e-8, msg=n)
 
 
-def test_reuse_flag_rejected_with_several_steps(tiny_ckpt):
-    actor = Actor(load_pretrained(tiny_ckpt), actor_spec(tiny_config(global_batch_size=2, skip_actor_forward_only=True)),
-                  init_distributed("cpu"))
+def test_reuse_flag_rejected_with_several_steps():
+    cfg = tiny_config(global_batch_size=2, skip_actor_forward_only=True, rollout_batch_size=4, hf_checkpoint="x",
+                      prompt_data="x", rm_type="math")
     with pytest.raises(ValueError, match="--skip-actor-forward-only"):
-        actor.train_step(synthetic_samples([6, 7, 8, 9]))
+        validate(cfg)
+    validate(tiny_config(global_batch_size=4, skip_actor_forward_only=True, rollout_batch_size=4, hf_checkpoint="x",
+                         prompt_data="x", rm_type="math"))
+
+
+def test_log_prob_passes():
+    """Which passes a step runs: one decision from the flags and the optimizer steps per rollout."""
+    assert log_prob_passes(False, False, 0.0, None, 1).old == "training"
+    assert log_prob_passes(False, False, 0.0, None, 2).old == "forward"
+    assert log_prob_passes(False, False, 0.0, False, 1).old == "forward"
+    assert log_prob_passes(True, False, 0.0, None, 2).old == "engine"
+    assert log_prob_passes(False, True, 0.0, None, 1).ref and not log_prob_passes(False, False, 0.0, None, 1).ref
+    kl_reward = log_prob_passes(False, False, 0.1, None, 1)   # the reward's KL needs both before training
+    assert kl_reward.old == "forward" and kl_reward.ref
 
 
 # ---------------------------------------------------------------- optimizer steps
@@ -166,16 +193,17 @@ def test_several_optimizer_steps_per_rollout(tiny_ckpt):
     ctx = init_distributed("cpu")
     cfg = tiny_config(global_batch_size=2, lr=1e-2)
     actor = Actor(load_pretrained(tiny_ckpt), actor_spec(cfg), ctx)
-    assert not actor.reuses_old_log_probs(4)
     samples = synthetic_samples([10, 12, 9, 11])
     before = full_weights(actor)
-    m = actor.train_step(samples)
+    with pytest.raises(ValueError, match="old log-probs"):   # train_step only trains: the passes run before it
+        actor.train_step(samples)
+    m = train_rollout(actor, cfg, samples)
     assert m.num_steps == 2 and m.num_micro_batches == 4 and m.num_tokens == 42
     assert m.ppo_kl != 0.0 and m.num_skipped_steps == 0
     assert any(not torch.equal(before[n], w) for n, w in full_weights(actor).items())
     assert actor.scheduler.last_epoch == 2
     with pytest.raises(ValueError, match="--global-batch-size"):
-        actor.train_step(synthetic_samples([10, 12, 9]))
+        train_rollout(actor, cfg, synthetic_samples([10, 12, 9]))
 
 
 def test_sft_loss_trains(tiny_ckpt):

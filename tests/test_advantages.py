@@ -11,7 +11,7 @@ import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 
-from furlong.algorithms.advantages import ESTIMATORS, AdvantageInputs, AdvantageParams, get_estimator, whiten
+from furlong.algorithms.advantages import ESTIMATORS, AdvantageInputs, AdvantageConfig, get_estimator, whiten
 
 
 # ------------------------------------------------------------------ random inputs
@@ -137,7 +137,7 @@ def test_grpo_and_gspo(seed, groups, n, normalize_std):
     inputs, rewards, masks, _, _ = _batch(seed, groups, n)
     want = [[a] * len(m) for a, m in zip(_ref_grpo(rewards, normalize_std), masks)]
     for name in ("grpo", "gspo"):
-        adv, ret = get_estimator(name)(inputs, AdvantageParams(normalize_std=normalize_std, kl_coef=0.3))
+        adv, ret = get_estimator(name)(inputs, AdvantageConfig(normalize_std=normalize_std, kl_coef=0.3))
         _close(adv, want)
         _close(ret, want)
 
@@ -145,7 +145,7 @@ def test_grpo_and_gspo(seed, groups, n, normalize_std):
 @pytest.mark.parametrize("seed,groups,n", SHAPES)
 def test_rloo(seed, groups, n):
     inputs, rewards, masks, _, _ = _batch(seed, groups, n)
-    adv, ret = get_estimator("rloo")(inputs, AdvantageParams())
+    adv, ret = get_estimator("rloo")(inputs, AdvantageConfig())
     want = [[a] * len(m) for a, m in zip(_ref_rloo(rewards), masks)]
     _close(adv, want)
     _close(ret, want)
@@ -156,7 +156,7 @@ def test_rloo(seed, groups, n):
 @pytest.mark.parametrize("with_kl", [True, False])
 def test_reinforce_plus_plus(seed, groups, n, kl_coef, gamma, with_kl):
     inputs, rewards, masks, kl, _ = _batch(seed, groups, n, with_kl=with_kl)
-    adv, ret = get_estimator("reinforce_plus_plus")(inputs, AdvantageParams(kl_coef=kl_coef, gamma=gamma))
+    adv, ret = get_estimator("reinforce_plus_plus")(inputs, AdvantageConfig(kl_coef=kl_coef, gamma=gamma))
     want = _ref_rpp(rewards, masks, kl, kl_coef, gamma)
     _close(adv, want)
     _close(ret, want)
@@ -166,7 +166,7 @@ def test_reinforce_plus_plus(seed, groups, n, kl_coef, gamma, with_kl):
 @pytest.mark.parametrize("kl_coef,gamma", [(0.0, 1.0), (0.3, 0.9), (1.0, 0.0)])
 def test_reinforce_plus_plus_baseline(seed, groups, n, kl_coef, gamma):
     inputs, rewards, masks, kl, _ = _batch(seed, groups, n)
-    adv, ret = get_estimator("reinforce_plus_plus_baseline")(inputs, AdvantageParams(kl_coef=kl_coef, gamma=gamma))
+    adv, ret = get_estimator("reinforce_plus_plus_baseline")(inputs, AdvantageConfig(kl_coef=kl_coef, gamma=gamma))
     want = _ref_rpp_baseline(rewards, masks, kl, kl_coef)
     _close(adv, want)
     _close(ret, want)
@@ -177,7 +177,7 @@ def test_reinforce_plus_plus_baseline(seed, groups, n, kl_coef, gamma):
                                                  (1.0, 0.0, 0.7), (0.2, 1.0, 0.5)])
 def test_ppo_gae(seed, groups, n, kl_coef, gamma, lambd):
     inputs, rewards, masks, kl, values = _batch(seed, groups, n, with_values=True)
-    adv, ret = get_estimator("ppo")(inputs, AdvantageParams(kl_coef=kl_coef, gamma=gamma, lambd=lambd))
+    adv, ret = get_estimator("ppo")(inputs, AdvantageConfig(kl_coef=kl_coef, gamma=gamma, lambd=lambd))
     want_adv, want_ret = _ref_ppo(rewards, masks, kl, values, kl_coef, gamma, lambd)
     _close(adv, want_adv)
     _close(ret, want_ret)
@@ -190,7 +190,7 @@ def test_long_response_discounting():
     inputs.response_masks[1][-10:] = 0
     inputs.kl[1] = torch.linspace(-1, 1, 300)
     masks[1], kl[1] = inputs.response_masks[1].tolist(), inputs.kl[1].tolist()
-    adv, _ = get_estimator("reinforce_plus_plus")(inputs, AdvantageParams(kl_coef=0.05, gamma=0.97))
+    adv, _ = get_estimator("reinforce_plus_plus")(inputs, AdvantageConfig(kl_coef=0.05, gamma=0.97))
     _close(adv, _ref_rpp(rewards, masks, kl, 0.05, 0.97))
 
 
@@ -209,7 +209,7 @@ def test_disable_rewards_normalization_gives_raw_rewards():
     rewards = torch.tensor([[1.0, 0.0, 3.0], [2.0, 2.0, 5.0]])
     masks = [torch.ones(k) for k in (2, 3, 1, 4, 2, 3)]
     kl = [torch.full((m.numel(),), 0.5) for m in masks]
-    raw = AdvantageParams(normalize_rewards=False, kl_coef=0.2)
+    raw = AdvantageConfig(normalize_rewards=False, kl_coef=0.2)
     adv, _ = get_estimator("grpo")(AdvantageInputs(rewards, masks, None), raw)
     for a, r, m in zip(adv, rewards.flatten(), masks):
         torch.testing.assert_close(a, torch.full((m.numel(),), float(r)))
@@ -218,10 +218,10 @@ def test_disable_rewards_normalization_gives_raw_rewards():
         torch.testing.assert_close(a, torch.full((m.numel(),), float(r) - 0.2 * 0.5))
     inputs, *_ = _batch(0, 2, 2)
     with pytest.raises(ValueError, match="values"):
-        get_estimator("ppo")(inputs, AdvantageParams())
+        get_estimator("ppo")(inputs, AdvantageConfig())
     inputs.response_masks = inputs.response_masks[:-1]
     with pytest.raises(ValueError, match="response_masks"):
-        get_estimator("grpo")(inputs, AdvantageParams())
+        get_estimator("grpo")(inputs, AdvantageConfig())
 
 
 # ------------------------------------------------------------------ whitening

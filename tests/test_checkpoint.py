@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_actor import full_weights, synthetic_samples, tiny_ckpt, tiny_config  # noqa: E402,F401 (tiny_ckpt: fixture)
+from test_actor import full_weights, synthetic_samples, tiny_ckpt, tiny_config, train_rollout  # noqa: E402,F401 (tiny_ckpt: fixture)
 
 from furlong.models.hf_io import load_pretrained  # noqa: E402
 from furlong.run.specs import actor_spec  # noqa: E402
@@ -33,12 +33,20 @@ def rollout_samples(rollout_id: int):
     return synthetic_samples([int(x) for x in torch.randint(6, 20, (4,), generator=g)], seed=rollout_id)
 
 
-def make_actor(ckpt) -> Actor:
+def _config(ckpt):
     # two optimizer steps per rollout and a decaying LR: Adam moments and the
     # scheduler position both matter for an exact resume
-    cfg = tiny_config(global_batch_size=2, lr=1e-2, lr_decay_style="cosine", lr_warmup_iters=1,
-                      micro_batch_size=2, hf_checkpoint=str(ckpt))
-    return Actor(load_pretrained(ckpt), actor_spec(cfg), init_distributed("cpu"))
+    return tiny_config(global_batch_size=2, lr=1e-2, lr_decay_style="cosine", lr_warmup_iters=1,
+                       micro_batch_size=2, hf_checkpoint=str(ckpt))
+
+
+def make_actor(ckpt) -> Actor:
+    return Actor(load_pretrained(ckpt), actor_spec(_config(ckpt)), init_distributed("cpu"))
+
+
+def train(actor: Actor, rollout_id: int):
+    """One rollout's training (old log-probs first: two optimizer steps), as the loop runs it."""
+    return train_rollout(actor, _config("unused"), rollout_samples(rollout_id))
 
 
 def _draws():
@@ -48,11 +56,11 @@ def _draws():
 def test_resume_matches_uninterrupted_run(tiny_ckpt, tmp_path):
     save_dir = tmp_path / "save"
     a = make_actor(tiny_ckpt)
-    a.train_step(rollout_samples(0))
-    a.train_step(rollout_samples(1))
+    train(a, 0)
+    train(a, 1)
     save_checkpoint(save_dir, a, rollout_id=1, sampler_state={"epoch": 3, "offset": 17})
     draws_a = _draws()
-    m_a = a.train_step(rollout_samples(2))
+    m_a = train(a, 2)
     w_a = full_weights(a)
 
     assert latest_iteration(save_dir) == 2
@@ -67,7 +75,7 @@ def test_resume_matches_uninterrupted_run(tiny_ckpt, tmp_path):
     torch.testing.assert_close(draws_b[0], draws_a[0])
     assert draws_b[1:] == draws_a[1:]
     assert b.scheduler.last_epoch == 4
-    m_b = b.train_step(rollout_samples(2))
+    m_b = train(b, 2)
     for field in ("loss", "pg_loss", "ppo_kl", "entropy", "grad_norm", "lr"):
         assert getattr(m_b, field) == getattr(m_a, field), field
     for n, w in full_weights(b).items():
@@ -88,16 +96,16 @@ CRASH_SCRIPT = textwrap.dedent("""
 
     def work(ckpt, save_dir):
         import torch
-        from test_checkpoint import make_actor, rollout_samples
+        from test_checkpoint import make_actor, train
         from test_actor import full_weights
         from furlong.checkpoint.store import save_checkpoint, SLEEP_ENV
         a = make_actor(ckpt)
-        a.train_step(rollout_samples(0))
+        train(a, 0)
         save_checkpoint(save_dir, a, rollout_id=0, sampler_state={{"epoch": 1}})
         w = full_weights(a)
         if torch.distributed.get_rank() == 0:
             torch.save(w, os.path.join(save_dir, "weights_at_0.pt"))
-        a.train_step(rollout_samples(1))
+        train(a, 1)
         os.environ[SLEEP_ENV] = "600"   # the second save hangs after writing its shards
         save_checkpoint(save_dir, a, rollout_id=1, sampler_state={{"epoch": 2}})
 
@@ -146,7 +154,7 @@ def test_export_hf_loads_in_transformers(tiny_ckpt, tmp_path):
     from furlong.commands.export import export_hf
 
     a = make_actor(tiny_ckpt)
-    a.train_step(rollout_samples(0))
+    train(a, 0)
     save_checkpoint(tmp_path / "save", a, rollout_id=0, source=str(tiny_ckpt))
     out = export_hf(tmp_path / "save", tmp_path / "hf")   # source checkpoint recorded in the save
     trained = load_pretrained(tiny_ckpt)
@@ -172,9 +180,9 @@ def test_eval_load_generates_with_the_chosen_iteration(tiny_ckpt, tmp_path, caps
     from furlong.tasks.synthetic import prepare_synthetic
 
     a = make_actor(tiny_ckpt)
-    a.train_step(rollout_samples(0))
+    train(a, 0)
     save_checkpoint(tmp_path / "save", a, rollout_id=0, source=str(tiny_ckpt))
-    a.train_step(rollout_samples(1))
+    train(a, 1)
     save_checkpoint(tmp_path / "save", a, rollout_id=1, source=str(tiny_ckpt))     # the latest; --ckpt-step 1 must not load it
     export_hf(tmp_path / "save", tmp_path / "hf1", ckpt_step=1)
     prepare_synthetic(tmp_path / "data", 2, 4, 0)

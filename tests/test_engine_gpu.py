@@ -91,7 +91,7 @@ def test_store_kv_matches_index_put():
 @pytest.mark.parametrize("num_chunks", [None, 1, 32])
 def test_triton_sampler_matches_reference(truncate, num_chunks):
     """Every vocabulary split gives the reference's tokens (first index on ties) and log-probs."""
-    from furlong.engine.kernels import sample_tokens
+    from furlong.engine.sample_kernels import sample_tokens
     from furlong.engine.sampling import SamplingRows, row_thresholds, sample_reference
     g = torch.Generator(device="cuda").manual_seed(7)
     rows, vocab = 64, 151936

@@ -140,18 +140,26 @@ def test_retained_requests_need_n_1(ckpt):
         engine(ckpt).add(Request(0, [3, 4], greedy(2), n=2, retain_kv=True))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_prefix_prefill_flash_matches_reference_on_gpu():
-    """The flash varlen path (bottom-right causal alignment when keys outnumber queries) against the
-    reference, through the context's gather out of a paged cache."""
-    from furlong.engine.kv_cache import PagedKVCache, PrefillContext
+def _prefix_prefill_against_reference(dev: torch.device, dtype: torch.dtype, kv_dtype: str, atol: float) -> None:
+    """Three items (a continuation past a page boundary, a new prompt, a short continuation) through the
+    context's gather out of a paged cache (fp8: dequantised, the new tokens' own rows unquantised),
+    against the reference over K/V built here from the same cache contents."""
+    from furlong.engine.kv_cache import KVLayout, PagedKVCache, PrefillContext
+    from furlong.engine.kv_fp8 import FP8, dequantize, quantize
     from furlong.engine.prefix_prefill import prefix_prefill_context
     from furlong.engine.scheduler import PrefillItem
     torch.manual_seed(0)
-    dev, page = torch.device("cuda"), 16
-    cache = PagedKVCache(torch.randn(12, 1, 2, page, 64, device=dev, dtype=torch.bfloat16),
-                         torch.randn(12, 1, 2, page, 64, device=dev, dtype=torch.bfloat16))
+    page, fp8 = 16, kv_dtype == "fp8_e4m3"
+    lay = KVLayout(num_layers=1, num_kv_heads=2, page_size=page, head_dim=64, dtype=FP8 if fp8 else dtype, scaled=fp8)
+    (k_data, k_scales), (v_data, v_scales) = (lay.views(torch.zeros(12 * lay.page_bytes, dtype=torch.uint8,
+                                                                    device=dev), 12) for _ in range(2))
+    for data, scales in ((k_data, k_scales), (v_data, v_scales)):   # cached prefixes: random, as stored
+        x = torch.randn(data.shape, device=dev, dtype=dtype)
+        if fp8:
+            data[:], scales[:] = quantize(x)
+        else:
+            data[:] = x
+    cache = PagedKVCache(k_data, v_data, k_scales, v_scales)
     seqs = [Sequence(request=Request(i, [1], greedy(1)), index=0, token_ids=[1], num_prompt_tokens=1, seed32=0,
                      block_table=t) for i, t in enumerate([[3, 5, 7], [2, 9], [4]])]
     items = [PrefillItem([seqs[0]], [0] * 5, [], start=33), PrefillItem([seqs[1]], [0] * 20, [], start=0),
@@ -165,11 +173,31 @@ def test_prefix_prefill_flash_matches_reference_on_gpu():
     new = PrefillContext(cache, torch.tensor(pages, device=dev), torch.tensor(offs, device=dev),
                          torch.tensor(cu, device=dev, dtype=torch.int32), 20)
     ctx = prefix_prefill_context(new, items, dev)
-    q = torch.randn(cu[-1], 4, 64, device=dev, dtype=torch.bfloat16)
-    k = torch.randn(cu[-1], 2, 64, device=dev, dtype=torch.bfloat16)
-    v = torch.randn(cu[-1], 2, 64, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(cu[-1], 4, 64, device=dev, dtype=dtype)
+    k = torch.randn(cu[-1], 2, 64, device=dev, dtype=dtype)
+    v = torch.randn(cu[-1], 2, 64, device=dev, dtype=dtype)
     got = ctx.attend(0, q, k, v)
-    keys, values = cache.layer(0)
-    kk, vv = keys[ctx.key_page, :, ctx.key_offset], values[ctx.key_page, :, ctx.key_offset]
-    want = prefix_attention_reference(q.float(), kk.float(), vv.float(), ctx.query_bounds, ctx.key_bounds)
-    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=0)
+    c = cache.layer(0)
+    at = (ctx.key_page, slice(None), ctx.key_offset)
+    kk, vv = c.keys[at].float(), c.values[at].float()
+    if fp8:
+        kk, vv = dequantize(c.keys[at], c.key_scales[at], torch.float32), dequantize(c.values[at], c.value_scales[at],
+                                                                                    torch.float32)
+    own = [j for i in range(3) for j in range(ctx.key_bounds[i + 1] - len(items[i].token_ids), ctx.key_bounds[i + 1])]
+    kk[own], vv[own] = k.float(), v.float()       # every prefill attends over its own tokens unquantised
+    want = prefix_attention_reference(q.float(), kk, vv, ctx.query_bounds, ctx.key_bounds)
+    torch.testing.assert_close(got.float(), want, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+def test_prefix_prefill_context_reads_the_cache_on_cpu(kv_dtype):
+    _prefix_prefill_against_reference(torch.device("cpu"), torch.float32, kv_dtype, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+def test_prefix_prefill_flash_matches_reference_on_gpu(kv_dtype):
+    """The flash varlen path (bottom-right causal alignment when keys outnumber queries) against the
+    reference; the fp8 cache written by the Triton store."""
+    _prefix_prefill_against_reference(torch.device("cuda"), torch.bfloat16, kv_dtype, atol=2e-2)

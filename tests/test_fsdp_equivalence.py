@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_actor import capture_grads, synthetic_samples, tiny_ckpt, tiny_config  # noqa: E402,F401 (tiny_ckpt: fixture)
+from test_actor import capture_grads, synthetic_samples, tiny_ckpt, tiny_config, train_rollout  # noqa: E402,F401 (tiny_ckpt: fixture)
 
 from furlong.models.hf_io import load_pretrained  # noqa: E402
 from furlong.run.specs import actor_spec  # noqa: E402
@@ -62,7 +62,7 @@ def run_scenario(ckpt: str, name: str, distributed: bool) -> dict:
         cfg = tiny_config(micro_batch_size=1, **overrides, **REFERENCE_ONLY.get(name, {}))
     actor = Actor(load_pretrained(ckpt), actor_spec(cfg), ctx)
     grads = capture_grads(actor)
-    metrics = actor.train_step(synthetic_samples(LENGTHS[:num]))
+    metrics = train_rollout(actor, cfg, synthetic_samples(LENGTHS[:num]))
     weights = {n: p.full_tensor().detach().clone() for n, p in actor.model.named_parameters()}
     return {"grads": grads, "weights": weights, "metrics": metrics}
 

@@ -1,13 +1,14 @@
 """Tool/environment tokens (loss mask 0) get exactly zero gradient from the policy loss, the KL loss and
 the entropy bonus, count in no token total (--calculate-per-token-loss), and a Sample's mask reaches the
-TrainSample."""
+TrainSample (run/step.py's train_samples), whose advantages are whitened over trained tokens only."""
 from __future__ import annotations
 
 import torch
 
 from furlong.algorithms.losses import LossParams, rl_loss
-from furlong.run.train_samples import SampleSpec, build_train_samples
-from furlong.algorithms.advantages import AdvantageParams
+from furlong.algorithms.advantages import AdvantageConfig
+from furlong.algorithms.shaping import ShapingConfig
+from furlong.run import step
 from furlong.trainer.batching import num_loss_tokens, pack_micro_batch, step_loss_weights
 from furlong.types import Group, Prompt, Sample, TrainSample
 
@@ -45,18 +46,19 @@ def test_masked_tokens_get_zero_gradient_and_no_count():
 def test_sample_mask_reaches_train_sample():
     prompt = Prompt(row=0, raw="q", text="q", token_ids=[1, 2], label="")
     samples = []
-    for j in range(2):
+    for j in range(3):
         s = Sample(prompt=prompt, group_id=0, index=j, response_ids=[], response_text="", rollout_log_probs=[],
                    finish_reason="pending", reward=float(j))
         s.add_model_tokens([5, 6], [-0.1, -0.2], "ab")
-        s.add_tool_tokens([7, 8, 9], "cde")
+        s.add_tool_tokens([7, 8, 9][:3 - j], "cde")     # tool outputs of different lengths
         s.add_model_tokens([10], [-0.3], "f")
         samples.append(s)
     assert samples[0].num_turns == 2 and samples[0].num_trained_tokens == 3 and samples[0].tokens[-1] == 10
-    spec = SampleSpec(advantage_estimator="grpo", use_rollout_logprobs=True, use_kl_loss=False, kl_loss_type="k1",
-                      normalize_advantages=True, overlong_buffer_len=None, overlong_penalty_factor=1.0,
-                      max_response_len=16, advantage=AdvantageParams(normalize_std=True, normalize_rewards=True,
-                                                                     kl_coef=0.0, gamma=1.0, lambd=1.0))
-    out = build_train_samples([Group(0, samples)], spec, actor=None)
-    assert out[0].loss_mask.tolist() == [1, 1, 0, 0, 0, 1]
+    out, rewards = step.train_samples([Group(0, samples)], ShapingConfig(None, 1.0, 16))
+    step.old_log_probs(out, None, "engine")
+    step.advantages(out, rewards, AdvantageConfig(estimator="grpo", whiten=True))
+    assert out[0].loss_mask.tolist() == [1, 1, 0, 0, 0, 1] and out[2].loss_mask.tolist() == [1, 1, 0, 1]
     assert out[0].rollout_log_probs.tolist()[2:5] == [0.0, 0.0, 0.0]
+    # whitening's statistics count the trained tokens only: their mean is 0, whatever the tool lengths
+    trained = torch.cat([s.advantages[s.loss_mask.bool()] for s in out])
+    assert trained.numel() == 9 and abs(float(trained.mean())) < 1e-6

@@ -46,3 +46,37 @@ def test_dapo_thousands_separators_of_negative_numbers(label, answer):
 def test_dapo_commas_that_are_not_grouping_stay():
     assert dapo_score("Answer: 1,2,x", "12") == -1.0
     assert dapo_score("Answer: -1000", "-1001") == -1.0
+
+
+def test_kv_cache_dtype_flag_and_miles_alias(tmp_path):
+    base = ["--hf-checkpoint", str(tmp_path), "--prompt-data", str(tmp_path / "x.jsonl"), "--rm-type", "math"]
+    assert parse_config(base).rollout.rollout_kv_dtype == "auto"
+    assert parse_config(base + ["--sglang-kv-cache-dtype", "fp8_e4m3"]).rollout.rollout_kv_dtype == "fp8_e4m3"
+    assert parse_config(base + ["--rollout-kv-dtype", "bf16"]).rollout.rollout_kv_dtype == "bf16"
+    with pytest.raises(ValueError, match=r"^--rollout-kv-dtype: unknown KV cache dtype 'int4'"):
+        parse_config(base + ["--rollout-kv-dtype", "int4"])
+
+
+def test_train_with_fp8_kv_cache_on_cpu(tmp_path, capsys):
+    """The flag reaches the engine: one CPU rollout + train step with an fp8 KV cache."""
+    import json
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_cli import REWARD, run_cli  # noqa: E402
+    from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
+
+    from furlong.tasks.synthetic import prepare_synthetic
+    write_tiny_checkpoint(tmp_path / "ckpt", vocab_size=128, hidden=32, layers=2, heads=2, kv_heads=1)
+    prepare_synthetic(tmp_path / "data", 8, 2, 0)
+    out = tmp_path / "out"
+    code, _, err = run_cli(["train", "--hf-checkpoint", str(tmp_path / "ckpt"),
+                            "--prompt-data", str(tmp_path / "data" / "train.parquet"), "--input-key", "messages",
+                            "--label-key", "label", "--apply-chat-template", "--custom-rm-path", REWARD,
+                            "--num-rollout", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+                            "--rollout-max-response-len", "8", "--device", "cpu", "--output-dir", str(out),
+                            "--sglang-kv-cache-dtype", "fp8_e4m3"], capsys)
+    assert code == 0, err
+    line = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert line["rollout/response_len/mean"] > 0
+    assert json.loads((out / "config.json").read_text())["rollout"]["rollout_kv_dtype"] == "fp8_e4m3"

@@ -13,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 from furlong.rewards import compute_rewards, extract_answer, get_reward_fn, score
 from furlong.rewards.math_reward import answers_match, normalize, to_number
 from furlong.rewards.offline import ScoreReport, run_score
+from furlong.rewards.registry import RewardError
 from furlong.types import Prompt, Sample
 
 GSM8K = Path(__file__).resolve().parent / "data" / "gsm8k"   # a sample shipped with the tests
@@ -223,7 +224,7 @@ def test_custom_reward_sync_and_async(tmp_path, monkeypatch):
     async def inside_a_running_loop():
         return compute_rewards(async_fn, samples)
     assert asyncio.run(inside_a_running_loop()) == [1.0, 0.0]
-    with pytest.raises(ValueError, match="--custom-rm-path: .* str, not a number"):
+    with pytest.raises(RewardError, match="reward function bad returned str .* for sample .*, not a number"):
         compute_rewards(get_reward_fn(None, "rw_custom_mod.bad"), samples)
 
 
@@ -276,7 +277,7 @@ def test_run_score_bad_arguments(tmp_path):
     src = _write_jsonl(tmp_path / "p.jsonl", [json.dumps({"response": "a", "label": "1"})])
     with pytest.raises(ValueError, match="--rm-type: unknown reward"):
         run_score(src, "nope")
-    with pytest.raises(ValueError, match="overwrite the input"):
+    with pytest.raises(ValueError, match="--output: .* is the --input"):
         run_score(src, "math", output_path=src)
     with pytest.raises(ValueError, match="missing.jsonl: cannot read"):
         run_score(tmp_path / "missing.jsonl", "math")

@@ -1,6 +1,6 @@
 """Advantage estimators (docs/design.md §5), picked by --advantage-estimator from ESTIMATORS.
 
-Every estimator maps (AdvantageInputs, AdvantageParams) to per-sample token
+Every estimator maps (AdvantageInputs, AdvantageConfig) to per-sample token
 lists (advantages, returns), each tensor [R_i]. Sample i = g*n + j is sample j of
 group g. `r_i` is the scalar reward, `m_t` the loss mask, `kl_t` the per-token KL
 estimate (0 when `kl` is None), `c` = --kl-coef. Semantics follow miles
@@ -34,6 +34,7 @@ ppo: GAE over the trained tokens only (masked tokens are not transitions: no
 
 Whitening (`whiten`, --normalize-advantages) is a separate step in miles, applied
 after any estimator; miles requires it for the reinforce_plus_plus family.
+`compute_advantages` is the estimator named by the config, then whitening.
 Deviation from miles: a sample with no trained token (miles asserts for
 reinforce++) is handled like miles' GAE does it: its reward is dropped.
 """
@@ -73,8 +74,12 @@ class AdvantageInputs:
     values: list[torch.Tensor] | None = None   # G*n tensors [R_i], critic values (ppo only)
 
 
-@dataclass
-class AdvantageParams:
+@dataclass(frozen=True)
+class AdvantageConfig:
+    estimator: str = "grpo"      # ESTIMATORS' name (--advantage-estimator)
+    whiten: bool = False         # whiten over the global batch after the estimator (--normalize-advantages;
+                                 # config_map turns it on for the reinforce_plus_plus family, as miles requires)
+    kl_type: str = "k1"          # estimator of the reward's KL penalty (--kl-loss-type: k1 | k2 | k3 | low_var_kl)
     normalize_std: bool = True   # grpo/gspo: divide by the group std
     normalize_rewards: bool = True   # grpo/gspo/reinforce++-baseline: subtract the group mean (miles'
                                      # --disable-rewards-normalization turns this off: raw rewards)
@@ -84,7 +89,7 @@ class AdvantageParams:
 
 
 TokenLists = tuple[list[torch.Tensor], list[torch.Tensor]]  # (advantages, returns), each [R_i]
-EstimatorFn = Callable[[AdvantageInputs, AdvantageParams], TokenLists]
+EstimatorFn = Callable[[AdvantageInputs, AdvantageConfig], TokenLists]
 
 
 def _checked_rewards(inputs: AdvantageInputs) -> torch.Tensor:
@@ -107,7 +112,7 @@ def _broadcast(per_sample: torch.Tensor, masks: list[torch.Tensor]) -> list[torc
             for v, m in zip(per_sample.tolist(), masks)]
 
 
-def _kl_penalty(inputs: AdvantageInputs, params: AdvantageParams, i: int) -> torch.Tensor:
+def _kl_penalty(inputs: AdvantageInputs, params: AdvantageConfig, i: int) -> torch.Tensor:
     """-kl_coef * kl_t for sample i, [R_i] (zeros when there is no KL)."""
     mask = inputs.response_masks[i]
     if inputs.kl is None or params.kl_coef == 0:
@@ -136,7 +141,7 @@ def _discounted_cumsum(x: torch.Tensor, discount: float) -> torch.Tensor:
     return out
 
 
-def estimate_grpo(inputs: AdvantageInputs, params: AdvantageParams) -> TokenLists:
+def estimate_grpo(inputs: AdvantageInputs, params: AdvantageConfig) -> TokenLists:
     """GRPO (also GSPO): group-normalized reward on every response token; returns = advantages."""
     rewards = _checked_rewards(inputs)                                 # [N]
     if params.normalize_rewards:
@@ -145,7 +150,7 @@ def estimate_grpo(inputs: AdvantageInputs, params: AdvantageParams) -> TokenList
     return adv, adv
 
 
-def estimate_rloo(inputs: AdvantageInputs, params: AdvantageParams) -> TokenLists:
+def estimate_rloo(inputs: AdvantageInputs, params: AdvantageConfig) -> TokenLists:
     """RLOO: r_i minus the mean of the other rewards of its group (0 for a group of one)."""
     _checked_rewards(inputs)
     rewards = inputs.rewards.float()                                   # [G, n]
@@ -159,7 +164,7 @@ def estimate_rloo(inputs: AdvantageInputs, params: AdvantageParams) -> TokenList
     return adv, adv
 
 
-def estimate_reinforce_plus_plus(inputs: AdvantageInputs, params: AdvantageParams) -> TokenLists:
+def estimate_reinforce_plus_plus(inputs: AdvantageInputs, params: AdvantageConfig) -> TokenLists:
     """REINFORCE++: discounted returns of (KL penalty + reward at the last trained token)."""
     rewards = _checked_rewards(inputs)                                 # [N]
     token_rewards = []
@@ -174,7 +179,7 @@ def estimate_reinforce_plus_plus(inputs: AdvantageInputs, params: AdvantageParam
     return returns, returns
 
 
-def estimate_reinforce_plus_plus_baseline(inputs: AdvantageInputs, params: AdvantageParams) -> TokenLists:
+def estimate_reinforce_plus_plus_baseline(inputs: AdvantageInputs, params: AdvantageConfig) -> TokenLists:
     """REINFORCE++-baseline: (r_i - group mean) on every token minus kl_coef * kl_t; no discounting."""
     centered = _checked_rewards(inputs)                                # [N]
     if params.normalize_rewards:
@@ -184,7 +189,7 @@ def estimate_reinforce_plus_plus_baseline(inputs: AdvantageInputs, params: Advan
     return adv, adv
 
 
-def estimate_ppo(inputs: AdvantageInputs, params: AdvantageParams) -> TokenLists:
+def estimate_ppo(inputs: AdvantageInputs, params: AdvantageConfig) -> TokenLists:
     """PPO: GAE over each sample's trained tokens; masked tokens get advantage = return = 0."""
     rewards = _checked_rewards(inputs)                                 # [N]
     if inputs.values is None:
@@ -261,3 +266,13 @@ def whiten(advantages: list[torch.Tensor], masks: list[torch.Tensor],
         var *= count / (count - 1)
     scale = (var + WHITEN_EPS) ** -0.5
     return [((a.double() - mean) * scale).to(a.dtype) for a in advantages]
+
+
+def compute_advantages(inputs: AdvantageInputs, cfg: AdvantageConfig) -> TokenLists:
+    """(advantages, returns) [R_i] per sample: cfg.estimator, then whitening when cfg.whiten. The caller
+    holds the whole batch (every rank does), so the statistics are global without a collective; returns
+    stay unwhitened (the critic's targets)."""
+    advantages, returns = get_estimator(cfg.estimator)(inputs, cfg)
+    if cfg.whiten:
+        advantages = whiten(advantages, inputs.response_masks, None)
+    return [a.float() for a in advantages], [r.float() for r in returns]

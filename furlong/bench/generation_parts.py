@@ -29,7 +29,7 @@ from furlong.bench.state import Bench, NullTokenizer, build_hf_model
 def make_engine(b: Bench, max_model_len: int, max_num_seqs: int = 512):
     from furlong.engine import Engine, EngineConfig
     return Engine(b.engine(), NullTokenizer(), eos_token_ids=[],
-                  config=EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs))
+                  config=EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs, kv_dtype=b.kv_dtype))
 
 
 def _params(b: Bench, new_tokens: int, temperature: float | None = None):

@@ -49,7 +49,7 @@ def _environment(b: Bench) -> dict[str, Any]:
             "world_size": b.ctx.world_size, "dtype": str(b.dtype), "packed_attention": select_packed_impl(probe)}
 
 
-def run_bench(workload_path: str, output_path: str | None = None, parts: str = "all") -> int:
+def run_bench(workload_path: str, output_path: str | None = None, parts: str = "all", kv_dtype: str = "auto") -> int:
     """Run the selected parts; print a table; write JSON (output_path, else $OUT/bench.json).
 
     Returns 0 when every selected part finished, 1 otherwise (the JSON is written either way).
@@ -58,10 +58,11 @@ def run_bench(workload_path: str, output_path: str | None = None, parts: str = "
     w = load_workload(workload_path)
     out = Path(output_path) if output_path else (Path(os.environ["OUT"]) / "bench.json" if os.environ.get("OUT")
                                                  else None)
-    b = Bench(w)
+    b = Bench(w, kv_dtype=kv_dtype)
     total_s = float(os.environ.get("FURLONG_BENCH_TIME_S", "480"))
     t_start = time.perf_counter()
-    payload: dict[str, Any] = {"workload": w.name, "workload_file": str(workload_path), "parts": {}}
+    payload: dict[str, Any] = {"workload": w.name, "workload_file": str(workload_path), "kv_dtype": kv_dtype,
+                               "parts": {}}
     try:
         payload["environment"] = _environment(b)
         print(f"[bench] {w.name}: {w.num_samples} samples, {sum(w.sample_lengths())} tokens, parts {names}, "

@@ -33,9 +33,10 @@ class NullTokenizer:
 class Bench:
     """Shared state of one bench run: device, seeded models (built lazily), results."""
 
-    def __init__(self, workload: Workload, seed: int = 0):
+    def __init__(self, workload: Workload, seed: int = 0, kv_dtype: str = "auto"):
         from furlong.launch.distributed import init_distributed
         self.w, self.seed = workload, seed
+        self.kv_dtype = kv_dtype          # the engine's KV cache: auto (the model's dtype) | bf16 | fp8_e4m3
         self.owns_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         self.ctx = init_distributed("auto")
         self.device = self.ctx.device

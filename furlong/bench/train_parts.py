@@ -30,6 +30,7 @@ TIMED_TRAIN_STEPS = 3
 
 
 def part_train(b: Bench) -> TrainResult:
+    from furlong.run.specs import passes
     from furlong.trainer.planning import balance_stats, plan_micro_batches, split_across_ranks
     actor, dev, samples = b.actor(), b.device, b.train_samples()
     lengths = [s.num_tokens for s in samples]
@@ -82,7 +83,7 @@ def part_train(b: Bench) -> TrainResult:
         note = f"weight sync unavailable: {e!r}"
     return TrainResult(
         world_size=b.ctx.world_size, num_samples=len(samples), num_tokens=num_tokens,
-        reuses_old_log_probs=actor.reuses_old_log_probs(len(samples)),
+        reuses_old_log_probs=passes(b.config()).old == "training",
         log_probs_s=logp_s, log_probs_tok_per_s=rate(num_tokens, logp_s), log_probs_peak_gib=logp_peak,
         train_step_s=train_s, train_step_s_all=train_all, train_tok_per_s=rate(num_tokens, train_s),
         train_mfu=mfu, train_peak_gib=train_peak,

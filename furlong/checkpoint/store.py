@@ -37,7 +37,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 import torch
@@ -157,6 +157,18 @@ def _save_failed(e: BaseException, tmp: Path, save_dir: str | os.PathLike) -> Sa
     return SaveError(f"--save: writing {tmp} failed ({why}); {kept}")
 
 
+def _check_finite(model_sd: dict[str, Any], path: Path) -> None:
+    """ValueError unless every rank's loaded weights are finite (all ranks agree: one all-reduce)."""
+    bad = nonfinite_tensor(model_sd.items())
+    flag = torch.tensor([0 if bad is None else 1])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flag = flag.to(next(iter(model_sd.values())).device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if int(flag.item()):
+        raise ValueError(f"--load: {path}: weight {bad or '(on another rank)'!r} holds NaN or inf values "
+                         "(damaged checkpoint?)")
+
+
 def load_checkpoint(load_dir: str | os.PathLike, actor: Any, iteration: int | None = None) -> ResumeState | None:
     """Restore iteration `iteration` (default: the tracker's) into `actor` (every rank calls); None if
     there is no checkpoint. Run set-up has verified it already (checkpoint_verify.choose_checkpoint)."""
@@ -175,6 +187,7 @@ def load_checkpoint(load_dir: str | os.PathLike, actor: Any, iteration: int | No
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path))
         set_state_dict(actor.model, actor.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        _check_finite(state["model"], path)
     except ValueError:
         raise
     except (RuntimeError, KeyError, EOFError, OSError, pickle.UnpicklingError, dcp.api.CheckpointException) as e:
@@ -183,7 +196,8 @@ def load_checkpoint(load_dir: str | os.PathLike, actor: Any, iteration: int | No
         raise ValueError(f"--load: {path} cannot be loaded into the --hf-checkpoint model ({why})") from e
     actor.scheduler.load_state_dict(meta["scheduler"])
     rank_file = path / f"trainer_rank{_rank()}.pt"
-    if rank_file.exists():  # absent when resuming at a larger world size: keep fresh RNG
+    if rank_file.exists():  # absent when resuming at a larger world size: keep fresh RNG (rank 0's is
+        # always there: checkpoint.verify refuses a checkpoint without it)
         _set_rng_state(torch.load(rank_file, weights_only=False))
     return ResumeState(rollout_id=int(meta["rollout_id"]), sampler_state=meta["sampler"], path=str(path))
 
@@ -202,5 +216,17 @@ def load_model_weights(load_dir: str | os.PathLike, model: torch.nn.Module, iter
     missing = set(model.state_dict()) - set(state["model"])
     if missing:
         raise ValueError(f"--load: {path} lacks weights {sorted(missing)[:3]}")
+    bad = nonfinite_tensor(state["model"].items())
+    if bad is not None:
+        raise ValueError(f"--load: {path}: weight {bad!r} holds NaN or inf values (damaged checkpoint?)")
     model.load_state_dict(state["model"])
     return iteration
+
+
+def nonfinite_tensor(named: Iterable[tuple[str, Any]]) -> str | None:
+    """The first floating tensor holding NaN/inf (this rank's shard of a DTensor), or None."""
+    for name, t in named:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if isinstance(local, torch.Tensor) and local.is_floating_point() and not bool(torch.isfinite(local).all()):
+            return name
+    return None

@@ -81,7 +81,8 @@ def damage(path: Path) -> str | None:
             return f"shard {name} is missing"
         if shard.stat().st_size < end:
             return f"shard {name} is truncated ({shard.stat().st_size} of {end} bytes)"
-    for f in [path / "trainer.pt", *sorted(path.glob("trainer_rank*.pt"))]:
+    # rank 0's RNG file is always written; other ranks' may be absent when resuming at a larger world size
+    for f in [path / "trainer.pt", path / "trainer_rank0.pt", *sorted(path.glob("trainer_rank[1-9]*.pt"))]:
         if not f.is_file():
             return f"{f.name} is missing"
         try:

@@ -108,10 +108,12 @@ def group_arrays(plan: GroupPlan, rows: int, members: int) -> tuple[np.ndarray, 
 
 def cascade_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                                 block_tables: torch.Tensor, context_lens: torch.Tensor,
-                                groups: PrefixGroups) -> torch.Tensor:
+                                groups: PrefixGroups, key_scales: torch.Tensor | None = None,
+                                value_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Exact decode attention where row b reads positions < prefix_lens[b] through its group's first
     member's block table and the rest through its own. q [B, Hq, D]; keys/values [P, Hkv, page, D]
-    -> [B, Hq, D] (zeros where context_lens is 0). One host sync: CPU and tests only."""
+    (fp8: dequantised with key/value_scales [P, Hkv, page]) -> [B, Hq, D] (zeros where context_lens
+    is 0). One host sync: CPU and tests only."""
     num_rows, page = q.shape[0], keys.shape[2]
     longest = int(context_lens.max()) if num_rows else 0
     if longest == 0:
@@ -128,6 +130,9 @@ def cascade_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: tor
     offs = (pos % page)[None, :].expand(num_rows, -1)
     k = keys[pages, :, offs].permute(0, 2, 1, 3)                             # [B, Hkv, L, D]
     v = values[pages, :, offs].permute(0, 2, 1, 3)
+    if key_scales is not None:
+        k = (k.float() * key_scales[pages, :, offs].transpose(1, 2)[..., None]).to(q.dtype)
+        v = (v.float() * value_scales[pages, :, offs].transpose(1, 2)[..., None]).to(q.dtype)
     visible = pos[None, :] < context_lens[:, None].long()
     empty = context_lens == 0
     visible[:, 0] |= empty                    # keep all-masked rows finite; zeroed below

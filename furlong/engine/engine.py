@@ -18,7 +18,9 @@ running set at the end of the window they finish in; their extra tokens of that
 window are dropped, so a window of w costs each sequence at most w - 1 wasted
 slots. Where a sequence stops and why: stop.py.
 The KV cache is sized on first use per session from --rollout-kv-fraction of
-the free GPU memory (CPU: `cpu_kv_tokens`) and freed by `release`.
+the free GPU memory (CPU: `cpu_kv_tokens`) and freed by `release`; an fp8 cache
+(`kv_dtype`, kv_fp8.py) has pages of about half the bytes, so the same fraction
+holds about twice the tokens.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 
 from furlong.engine.block_manager import BlockManager, pages_for
+from furlong.engine.kv_fp8 import KV_DTYPES
 from furlong.engine.model_runner import ModelRunner
 from furlong.engine.scheduler import Scheduler
 from furlong.engine.sequence import Completion, Request, Sequence
@@ -49,10 +52,13 @@ class EngineConfig:
     cascade_min_prefix: int = 256     # tokens: shorter shared prompts are read by each row (measured no gain)
     compile: bool | None = None       # torch.compile the layer blocks (None: on CUDA)
     cpu_kv_tokens: int = 1 << 16      # KV slots on CPU, where free memory is not measured
+    kv_dtype: str = "auto"            # KV cache: "auto"/"bf16" the model's dtype, "fp8_e4m3" (kv_fp8.py)
 
     def __post_init__(self) -> None:
         if not 0 < self.kv_fraction <= 1:
             raise ValueError(f"--rollout-kv-fraction: must be in (0, 1], got {self.kv_fraction}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"--rollout-kv-dtype: must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if not 1 <= self.decode_window <= self.page_size:
             raise ValueError(f"engine: decode_window must be in [1, page_size={self.page_size}], "
                              f"got {self.decode_window}")
@@ -67,7 +73,8 @@ class Engine:
         on_gpu = next(model.parameters()).is_cuda
         self.runner = ModelRunner(model, config.page_size, config.max_num_seqs, config.use_cuda_graphs,
                                   compile=on_gpu if config.compile is None else config.compile,
-                                  cascade=config.cascade, cascade_min_prefix=config.cascade_min_prefix)
+                                  cascade=config.cascade, cascade_min_prefix=config.cascade_min_prefix,
+                                  kv_dtype=config.kv_dtype)
         self.scheduler: Scheduler | None = None
         self.stats = EngineStats()
         self._next_id = 0

@@ -1,4 +1,4 @@
-"""Triton kernels of the engine (CUDA only; imported lazily).
+"""Triton attention kernels of the engine (CUDA only; imported lazily; the sampler: sample_kernels.py).
 
 paged_decode_attention  one query token per row over its paged KV (flash-decoding).
     Grid (row, kv head, split). A program loads the GROUP query heads that share
@@ -11,14 +11,13 @@ paged_decode_attention  one query token per row over its paged KV (flash-decodin
     Cascade (cascade.py): extra programs, one per group of rows forked from one
     prompt, read the prompt's KV once for all members' query heads; each row's
     own programs start after the prompt, and the combine merges both.
-sample_tokens  one pass over a row's logits: the online log-sum-exp of the
-    scaled logits (for the chosen token's log-prob) and the argmax of the
-    exponential race with counter-based noise, exactly as sampling.py's
-    reference (same hash, same threshold rule, first index on ties). Each row's
-    vocabulary is cut into chunks run by separate programs (a small batch would
-    otherwise leave most multiprocessors idle), merged by a second kernel.
+    fp8 cache (kv_fp8.py): a tile's K and V are loaded as e4m3 (half the bytes),
+    widened to q's dtype (exact: e4m3 is a subset of bf16) for the dots, and
+    their per-token scales applied outside them: a score column is multiplied
+    by its key's scale, a probability column by its value's scale before P.V.
 store_kv  each new token's k and v into its (page, offset) slot, one program per
-    (token, kv head): one launch per layer instead of two generic index_put kernels.
+    (token, kv head): one launch per layer instead of two generic index_put kernels;
+    for an fp8 cache it quantises the row with its absmax scale (kv_fp8.py).
 All are fixed-shape and sync-free, so they are captured in the decode CUDA graphs.
 """
 from __future__ import annotations
@@ -31,16 +30,14 @@ import triton.language as tl
 
 from furlong.engine.cascade import PrefixGroups
 
-MAX_SAMPLE_CHUNKS = 32   # vocabulary chunks per row of the sampler
-
 
 @triton.jit
-def _decode_attn_kernel(Q, K, V, BT, CL, PL, GR, GP, O, LSE, OUT,
-                        s_qb, s_qh, s_kp, s_kh, s_ks, s_bt, s_gr, s_ob, s_oh, s_os, s_lb, s_lh, s_outb, s_outh,
-                        scale, num_splits, group_splits,
+def _decode_attn_kernel(Q, K, V, KS, VS, BT, CL, PL, GR, GP, O, LSE, OUT,
+                        s_qb, s_qh, s_kp, s_kh, s_ks, s_sp, s_sh, s_bt, s_gr, s_ob, s_oh, s_os, s_lb, s_lh, s_outb,
+                        s_outh, scale, num_splits, group_splits,
                         GROUP: tl.constexpr, QP: tl.constexpr, MEMBERS: tl.constexpr, D: tl.constexpr,
                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, CASCADE: tl.constexpr,
-                        PRECISION: tl.constexpr):
+                        FP8: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -53,7 +50,8 @@ def _decode_attn_kernel(Q, K, V, BT, CL, PL, GR, GP, O, LSE, OUT,
         # once (QP = MEMBERS * GROUP slots) -> slot S + pid % GS of each member row
         is_group = sp >= num_splits
         g = pid // group_splits
-        member = tl.load(GR + g * s_gr + i // GROUP, mask=is_group & (i // GROUP < MEMBERS), other=-1)
+        # a where, not `is_group & ...`: the Triton interpreter makes a scalar & block mask int32
+        member = tl.load(GR + g * s_gr + i // GROUP, mask=tl.where(is_group, i // GROUP < MEMBERS, False), other=-1)
         rows = tl.where(is_group, member, pid)
         heads = kvh * GROUP + tl.where(is_group, i % GROUP, i)
         hmask = tl.where(is_group, member >= 0, i < GROUP)
@@ -88,14 +86,23 @@ def _decode_attn_kernel(Q, K, V, BT, CL, PL, GR, GP, O, LSE, OUT,
         off = page * s_kp + kvh * s_kh + (start % PAGE + n)[:, None] * s_ks + d[None, :]
         valid = ((start + n) < hi) & ((start + n) >= lo)
         k = tl.load(K + off, mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [QP, BLOCK_N] fp32
+        if FP8:
+            s_off = page * s_sp + kvh * s_sh + start % PAGE + n            # [BLOCK_N] this tile's scales
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
+            s = s * (tl.load(KS + s_off, mask=valid, other=0.0) * scale)[None, :]
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [QP, BLOCK_N] fp32
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))   # finite: every tile in [lo, hi) holds a token of the range
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         l = l * alpha + tl.sum(p, 1)
         v = tl.load(V + off, mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if FP8:
+            pv = p * tl.load(VS + s_off, mask=valid, other=0.0)[None, :]
+            acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     has = l > 0
     safe = tl.where(has, l, 1.0)
@@ -133,9 +140,12 @@ def _combine_kernel(O, LSE, OUT, PL, s_ob, s_oh, s_os, s_lb, s_lh, s_outb, s_out
 
 def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, num_splits: int, block_n: int = 64,
-                           prefix: PrefixGroups | None = None, group_splits: int = 1) -> torch.Tensor:
+                           prefix: PrefixGroups | None = None, group_splits: int = 1,
+                           key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None
+                           ) -> torch.Tensor:
     """q [B, Hq, D]; keys/values [num_pages, Hkv, page, D]; block_tables [B, max_pages] int32;
     context_lens [B] int32 -> [B, Hq, D] in q's dtype (zeros where context_lens is 0).
+    fp8 cache: keys/values float8_e4m3fn, key/value_scales [num_pages, Hkv, page] float32 (same strides).
     prefix (cascade): rows that share their first tokens' KV read it once per group (see PrefixGroups),
     each group's prefix split `group_splits` ways; the first B // group_splits groups are read. A
     grouped row's prefix must be shorter than its context (the engine's always is: it holds the prompt)."""
@@ -146,6 +156,10 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     block_n = min(block_n, page)
     if page % block_n or dim & (dim - 1):
         raise ValueError(f"paged_decode_attention: page {page} must be a multiple of {block_n}, head_dim a power of 2")
+    fp8 = key_scales is not None
+    if fp8 and (key_scales.stride() != value_scales.stride() or key_scales.stride(-1) != 1):
+        raise ValueError("paged_decode_attention: key/value scales must be laid out alike, tokens contiguous")
+    ks, vs = (key_scales, value_scales) if fp8 else (context_lens, context_lens)   # unused without fp8
     out = torch.empty_like(q)
     cascade = prefix is not None
     direct = num_splits == 1 and not cascade
@@ -165,12 +179,13 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
         pl = gr = gp = context_lens     # unused
         members = 1
     _decode_attn_kernel[(num_rows, num_kv, num_splits + 1 if cascade else num_splits)](
-        q, keys, values, block_tables, context_lens, pl, gr, gp, part, lse, out,
-        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), block_tables.stride(0),
+        q, keys, values, ks, vs, block_tables, context_lens, pl, gr, gp, part, lse, out,
+        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+        ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0, block_tables.stride(0),
         gr.stride(0), part.stride(0), part.stride(1), part.stride(2) if not direct else 0, lse.stride(0),
         lse.stride(1), out.stride(0), out.stride(1), 1.0 / math.sqrt(dim), num_splits,
         group_splits, GROUP=group, QP=qp, MEMBERS=members, D=dim, PAGE=page, BLOCK_N=block_n,
-        DIRECT=direct, CASCADE=cascade,
+        DIRECT=direct, CASCADE=cascade, FP8=fp8,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
     if not direct:
         _combine_kernel[(num_rows, num_heads)](
@@ -182,125 +197,57 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
 
 
 @triton.jit
-def _store_kv_kernel(K, V, KC, VC, PAGE, OFF, s_kn, s_kh, s_vn, s_vh, s_cp, s_ch, s_cs, D: tl.constexpr):
+def _quantize_row(x):
+    """x [D] -> (x / s rounded to the e4m3 grid, in fp32; s), as kv_fp8.quantize: s = max(absmax / 448,
+    1e-30), IEEE divisions (Triton's `/` on fp32 is approximate)."""
+    x = x.to(tl.float32)
+    s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), 448.0), 1e-30)
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -448.0), 448.0)
+    # round to nearest even on the e4m3 grid here, so the cast to fp8 below is exact (the Triton
+    # interpreter's own fp32 -> e4m3 rounding drops the carry into the next binade): the grid step
+    # in y's binade is 2^(E-3), E >= -6 (subnormals share 2^-6's step), a power of two built from
+    # its bits; 1.5 * 2^23 added and taken away rounds |z| < 16 to an integer, ties to even; the
+    # sign is put back after (-0 stays -0)
+    bits = y.to(tl.int32, bitcast=True)
+    ey = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    z = tl.abs(y) * ((130 - ey) << 23).to(tl.float32, bitcast=True)            # * 2^(3 - ey)
+    z = ((z + 12582912.0) - 12582912.0) * ((124 + ey) << 23).to(tl.float32, bitcast=True)   # * 2^(ey - 3)
+    return tl.where(bits < 0, -z, z), s
+
+
+@triton.jit
+def _store_kv_kernel(K, V, KC, VC, KS, VS, PAGE, OFF, s_kn, s_kh, s_vn, s_vh, s_cp, s_ch, s_cs, s_sp, s_sh,
+                     D: tl.constexpr, FP8: tl.constexpr):
     n = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, D)
     page = tl.load(PAGE + n)
     off = tl.load(OFF + n)
     dst = page * s_cp + h * s_ch + off * s_cs + d
-    tl.store(KC + dst, tl.load(K + n * s_kn + h * s_kh + d))
-    tl.store(VC + dst, tl.load(V + n * s_vn + h * s_vh + d))
+    k = tl.load(K + n * s_kn + h * s_kh + d)
+    v = tl.load(V + n * s_vn + h * s_vh + d)
+    if FP8:
+        k, ks = _quantize_row(k)
+        v, vs = _quantize_row(v)
+        tl.store(KS + page * s_sp + h * s_sh + off, ks)
+        tl.store(VS + page * s_sp + h * s_sh + off, vs)
+    tl.store(KC + dst, k.to(KC.dtype.element_ty))
+    tl.store(VC + dst, v.to(VC.dtype.element_ty))
 
 
 def store_kv(keys: torch.Tensor, values: torch.Tensor, page: torch.Tensor, offset: torch.Tensor,
-             k: torch.Tensor, v: torch.Tensor) -> None:
-    """k, v [N, Hkv, D] into keys/values [P, Hkv, page, D] (same strides) at (page[i], offset[i])."""
+             k: torch.Tensor, v: torch.Tensor, key_scales: torch.Tensor | None = None,
+             value_scales: torch.Tensor | None = None) -> None:
+    """k, v [N, Hkv, D] into keys/values [P, Hkv, page, D] (same strides) at (page[i], offset[i]);
+    fp8 cache: quantised, each row's scale into key/value_scales [P, Hkv, page] (same strides)."""
     num, num_kv, dim = k.shape
     if k.stride(-1) != 1 or v.stride(-1) != 1 or keys.stride() != values.stride():
         raise ValueError("store_kv: head dim must be contiguous and keys/values laid out alike")
-    _store_kv_kernel[(num, num_kv)](k, v, keys, values, page, offset, k.stride(0), k.stride(1), v.stride(0),
-                                   v.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), D=dim, num_warps=1)
-
-
-@triton.jit
-def _mix32(x):
-    x = x ^ (x >> 16)
-    x = x * 0x7FEB352D
-    x = x ^ (x >> 15)
-    x = x * 0x846CA68B
-    return x ^ (x >> 16)
-
-
-@triton.jit
-def _sample_chunk_kernel(LOGITS, s_lb, INV_T, GREEDY, THR, SEED, POS, P_MX, P_SE, P_BEST, P_IDX, V, CHUNK,
-                         num_chunks, BLOCK: tl.constexpr):
-    b = tl.program_id(0)
-    c = tl.program_id(1)
-    inv_t = tl.load(INV_T + b)
-    greedy = tl.load(GREEDY + b) != 0
-    thr = tl.load(THR + b)
-    seed = tl.load(SEED + b).to(tl.uint32)
-    pos = tl.load(POS + b).to(tl.uint32)
-    key = _mix32(seed ^ _mix32(pos + 0x632BE5AB))
-    best = tl.full([], float("-inf"), tl.float32)
-    best_idx = tl.full([], 0, tl.int32)
-    mx = tl.full([], float("-inf"), tl.float32)
-    se = tl.full([], 0.0, tl.float32)
-    offs = tl.arange(0, BLOCK)
-    lo = c * CHUNK
-    hi = tl.minimum(lo + CHUNK, V)
-    for start in range(lo, hi, BLOCK):
-        v = start + offs
-        vm = v < hi
-        x = tl.load(LOGITS + b * s_lb + v, mask=vm, other=float("-inf")).to(tl.float32)
-        sc = x * inv_t
-        tile_max = tl.max(sc, 0)
-        new_mx = tl.maximum(mx, tile_max)
-        safe_mx = tl.where(new_mx == float("-inf"), 0.0, new_mx)
-        se = se * tl.exp(mx - safe_mx) + tl.sum(tl.where(vm, tl.exp(sc - safe_mx), 0.0), 0)
-        mx = new_mx
-        h = _mix32(key ^ (v.to(tl.uint32) * 0x9E3779B9))
-        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        score = tl.where(greedy, x, sc - tl.log(-tl.log(u)))      # log p - log E, E = -log u
-        score = tl.where(vm & (sc >= thr), score, float("-inf"))
-        tile_best, tile_idx = tl.max(score, 0, return_indices=True, return_indices_tie_break_left=True)
-        better = tile_best > best
-        best_idx = tl.where(better, start + tile_idx, best_idx)
-        best = tl.where(better, tile_best, best)
-    out = b * num_chunks + c
-    tl.store(P_MX + out, mx)
-    tl.store(P_SE + out, se)
-    tl.store(P_BEST + out, best)
-    tl.store(P_IDX + out, best_idx)
-
-
-@triton.jit
-def _sample_combine_kernel(LOGITS, s_lb, INV_T, P_MX, P_SE, P_BEST, P_IDX, TOK, LP, num_chunks,
-                           MAX_CHUNKS: tl.constexpr):
-    b = tl.program_id(0)
-    c = tl.arange(0, MAX_CHUNKS)
-    cm = c < num_chunks
-    mx_c = tl.load(P_MX + b * num_chunks + c, mask=cm, other=float("-inf"))
-    se_c = tl.load(P_SE + b * num_chunks + c, mask=cm, other=0.0)
-    mx = tl.max(mx_c, 0)
-    se = tl.sum(tl.where(se_c > 0, se_c * tl.exp(mx_c - mx), 0.0), 0)
-    best_c = tl.load(P_BEST + b * num_chunks + c, mask=cm, other=float("-inf"))
-    _, chunk = tl.max(best_c, 0, return_indices=True, return_indices_tie_break_left=True)   # first on ties
-    best_idx = tl.load(P_IDX + b * num_chunks + chunk)
-    chosen = tl.load(LOGITS + b * s_lb + best_idx).to(tl.float32) * tl.load(INV_T + b)
-    tl.store(TOK + b, best_idx.to(tl.int64))
-    tl.store(LP + b, chosen - (mx + tl.log(se)))
-
-
-def sample_chunks(num_rows: int, vocab: int, num_sms: int, block: int = 2048) -> int:
-    """Vocabulary chunks per row: ~8 programs per multiprocessor (one row alone leaves the GPU idle),
-    a power of two, each chunk at least one block."""
-    want = -(-8 * num_sms // max(num_rows, 1))
-    return max(1, min(MAX_SAMPLE_CHUNKS, 1 << (want - 1).bit_length(), 1 << ((-(-vocab // block)).bit_length() - 1)))
-
-
-def sample_tokens(logits: torch.Tensor, inv_temperature: torch.Tensor, greedy: torch.Tensor,
-                  thresholds: torch.Tensor, seed32: torch.Tensor, positions: torch.Tensor,
-                  num_chunks: int | None = None, block: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] (any float dtype, last dim contiguous) -> (tokens [B] int64, log_probs [B] float32).
-    thresholds: [B] float32, -inf where nothing is cut. num_chunks: vocabulary chunks per row (a power
-    of two; default: sample_chunks)."""
-    num_rows, vocab = logits.shape
-    num_sms = torch.cuda.get_device_properties(logits.device).multi_processor_count if logits.is_cuda else 1
-    chunks = sample_chunks(num_rows, vocab, num_sms, block) if num_chunks is None else num_chunks
-    if not 1 <= chunks <= MAX_SAMPLE_CHUNKS:
-        raise ValueError(f"sample_tokens: num_chunks must be in [1, {MAX_SAMPLE_CHUNKS}], got {chunks}")
-    chunk = -(-vocab // chunks // block) * block                  # whole blocks per chunk
-    tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-    log_probs = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
-    part = torch.empty(3, num_rows, chunks, dtype=torch.float32, device=logits.device)   # max, sum-exp, best score
-    part_idx = torch.empty(num_rows, chunks, dtype=torch.int32, device=logits.device)
-    _sample_chunk_kernel[(num_rows, chunks)](logits, logits.stride(0), inv_temperature, greedy, thresholds, seed32,
-                                             positions, part[0], part[1], part[2], part_idx, vocab, chunk,
-                                             chunks, BLOCK=block, num_warps=8)
-    # one compiled combine for every chunk count (MAX_CHUNKS lanes, masked): fewer first-use compiles
-    _sample_combine_kernel[(num_rows,)](logits, logits.stride(0), inv_temperature, part[0], part[1], part[2],
-                                        part_idx, tokens, log_probs, chunks, MAX_CHUNKS=MAX_SAMPLE_CHUNKS,
-                                        num_warps=1)
-    return tokens, log_probs
+    fp8 = key_scales is not None
+    if fp8 and key_scales.stride() != value_scales.stride():
+        raise ValueError("store_kv: key/value scales must be laid out alike")
+    ks, vs = (key_scales, value_scales) if fp8 else (page, page)       # unused without fp8
+    _store_kv_kernel[(num, num_kv)](k, v, keys, values, ks, vs, page, offset, k.stride(0), k.stride(1), v.stride(0),
+                                   v.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+                                   ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0, D=dim, FP8=fp8,
+                                   num_warps=1)

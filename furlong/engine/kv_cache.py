@@ -5,7 +5,10 @@ come first so that a layer's view (`keys[:, layer]`) starts at the same address
 whatever the number of pages: the cache can be re-mapped with another size
 under the same CUDA graphs (stable_memory.py). A token's slot is (page, offset);
 a sequence's pages are its block table. Page 0 is the scratch page padded rows
-write into (block_manager.py).
+write into (block_manager.py). With an fp8 cache (kv_fp8.py) each (page, layer,
+head) block of page_size x D fp8 values is followed by its page_size fp32
+scales (`KVLayout`): both are strided views of one byte buffer per K and V, so
+a page, scales included, is still the unit that is allocated, shared and copied.
 
 The engine's forward (forward.py) calls `ctx.attend(layer, q, k, v)` with
 roped q [N, Hq, D] and k, v [N, Hkv, D], one row per token; the context
@@ -13,9 +16,12 @@ writes k, v into the cache and returns the attention output [N, Hq, D]:
 
   PrefillContext  N packed new tokens of several sequences (cu_seqlens): each
                   attends causally within its own segment (packed_attention,
-                  varlen on CUDA), and its k/v go to their slots. Prefill always
-                  starts a sequence at position 0 (new prompts, or a preempted
-                  sequence recomputed whole), so no cached prefix is read.
+                  varlen on CUDA), and its k/v go to their slots. It starts a
+                  sequence at position 0 (new prompts, or a preempted sequence
+                  recomputed whole), so no cached prefix is read (and with an
+                  fp8 cache the prompt attends over its unquantised k/v; only
+                  later reads see the stored fp8). A continued conversation's
+                  prefill reads its cached prefix: prefix_prefill.py.
   DecodeContext   one token per sequence: the new k/v go to the row's slot, then the row
                   attends over its first context_lens[b] cached tokens through
                   its block table: the Triton kernel on CUDA (kernels.py, GQA
@@ -32,43 +38,115 @@ import torch
 import torch.nn.functional as F
 
 from furlong.engine.cascade import PrefixGroups, cascade_attention_reference
+from furlong.engine.kv_fp8 import SCALE_BYTES, quantize
 from furlong.models.attention import packed_attention
 
 
-class PagedKVCache:
-    """keys/values [P, L, Hkv, page_size, D] (P pages may exceed those backed by memory: only
-    the pages the block manager hands out are ever touched)."""
+@dataclass(frozen=True)
+class KVLayout:
+    """Bytes of the paged K (or V) buffer: pages outermost, each [L, Hkv] blocks of page_size x D
+    values, each block followed by its page_size fp32 scales when `scaled` (fp8)."""
+    num_layers: int
+    num_kv_heads: int
+    page_size: int
+    head_dim: int
+    dtype: torch.dtype           # stored element dtype (the model's, or float8_e4m3fn)
+    scaled: bool                 # a fp32 scale per (token, head) beside the data
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+    @property
+    def block_bytes(self) -> int:
+        """One (page, layer, head) block: data, then scales."""
+        return self.page_size * (self.head_dim * self.dtype.itemsize + (SCALE_BYTES if self.scaled else 0))
+
+    @property
+    def page_bytes(self) -> int:
+        """One page of K (or of V), every layer."""
+        return self.num_layers * self.num_kv_heads * self.block_bytes
+
+    def views(self, buf: torch.Tensor, num_pages: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """buf: uint8, at least num_pages * page_bytes -> (data [P, L, Hkv, page, D] in dtype, scales
+        [P, L, Hkv, page] float32 or None), strided views of buf."""
+        raw = buf[:num_pages * self.page_bytes]
+        size = self.dtype.itemsize
+        per = self.block_bytes // size           # elements per block
+        lh = (self.num_layers * self.num_kv_heads, self.num_kv_heads)
+        data = raw.view(self.dtype)
+        data = data.as_strided((num_pages, self.num_layers, self.num_kv_heads, self.page_size, self.head_dim),
+                               (lh[0] * per, lh[1] * per, per, self.head_dim, 1), data.storage_offset())
+        if not self.scaled:
+            return data, None
+        f32 = raw.view(torch.float32)
+        per = self.block_bytes // SCALE_BYTES
+        first = self.page_size * self.head_dim * size // SCALE_BYTES     # the scales follow the data
+        scales = f32.as_strided((num_pages, self.num_layers, self.num_kv_heads, self.page_size),
+                                (lh[0] * per, lh[1] * per, per, 1), f32.storage_offset() + first)
+        return data, scales
+
+
+@dataclass
+class KVLayer:
+    """One layer's cache: keys/values [P, Hkv, page_size, D], their scales [P, Hkv, page_size]
+    float32 with an fp8 cache (else None); strided views."""
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_scales: torch.Tensor | None
+    value_scales: torch.Tensor | None
+
+
+class PagedKVCache:
+    """keys/values [P, L, Hkv, page_size, D], with key/value scales [P, L, Hkv, page_size] for fp8
+    (P pages may exceed those backed by memory: only the pages the block manager hands out are
+    ever touched)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, key_scales: torch.Tensor | None = None,
+                 value_scales: torch.Tensor | None = None):
         self.keys, self.values = keys, values
+        self.key_scales, self.value_scales = key_scales, value_scales
         self.page_size = keys.shape[3]
 
     @staticmethod
     def page_shape(num_layers: int, num_kv_heads: int, page_size: int, head_dim: int) -> tuple[int, ...]:
         return (num_layers, num_kv_heads, page_size, head_dim)
 
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's keys, values: [P, Hkv, page_size, D] strided views."""
-        return self.keys[:, layer], self.values[:, layer]
+    def layer(self, layer: int) -> KVLayer:
+        scaled = self.key_scales is not None
+        return KVLayer(self.keys[:, layer], self.values[:, layer], self.key_scales[:, layer] if scaled else None,
+                       self.value_scales[:, layer] if scaled else None)
 
     def write(self, layer: int, page: torch.Tensor, offset: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [N, Hkv, D] into slots (page[i], offset[i]), i < N (a Triton kernel on CUDA)."""
-        keys, values = self.layer(layer)
-        if keys.is_cuda:
+        """k, v [N, Hkv, D] into slots (page[i], offset[i]), i < N, quantised for an fp8 cache (a Triton
+        kernel on CUDA)."""
+        c = self.layer(layer)
+        if c.keys.is_cuda:
             from furlong.engine.kernels import store_kv
-            store_kv(keys, values, page, offset, k, v)
+            store_kv(c.keys, c.values, page, offset, k, v, c.key_scales, c.value_scales)
             return
-        keys[page, :, offset] = k
-        values[page, :, offset] = v
+        if c.key_scales is None:
+            c.keys[page, :, offset] = k
+            c.values[page, :, offset] = v
+            return
+        for data, scales, x in ((c.keys, c.key_scales, k), (c.values, c.value_scales, v)):
+            q, s = quantize(x)
+            data[page, :, offset] = q
+            scales[page, :, offset] = s
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
-        """Copy whole pages (every layer): the forked samples' private last pages."""
+        """Copy whole pages (every layer, scales too): the forked samples' private last pages."""
         if not src:
             return
         s = torch.tensor(src, device=self.keys.device)
         d = torch.tensor(dst, device=self.keys.device)
         self.keys[d] = self.keys[s]
         self.values[d] = self.values[s]
+        if self.key_scales is not None:
+            self.key_scales[d] = self.key_scales[s]
+            self.value_scales[d] = self.value_scales[s]
+
+    def zero_page(self, page: int) -> None:
+        """Zero one page (the scratch page: padded rows read it, keep it finite)."""
+        for t in (self.keys, self.values, self.key_scales, self.value_scales):
+            if t is not None:
+                t[page].zero_()
 
 
 @dataclass
@@ -98,28 +176,36 @@ class DecodeContext:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.write(layer, self.page, self.offset, k, v)
-        keys, values = self.cache.layer(layer)
+        c = self.cache.layer(layer)
+        scales = dict(key_scales=c.key_scales, value_scales=c.value_scales)
         if self.use_triton:
             from furlong.engine.kernels import paged_decode_attention
-            return paged_decode_attention(q, keys, values, self.block_tables, self.context_lens, self.num_splits,
-                                          prefix=self.prefix, group_splits=self.group_splits)
+            return paged_decode_attention(q, c.keys, c.values, self.block_tables, self.context_lens, self.num_splits,
+                                          prefix=self.prefix, group_splits=self.group_splits, **scales)
         if self.prefix is not None:
-            return cascade_attention_reference(q, keys, values, self.block_tables, self.context_lens, self.prefix)
-        return decode_attention_reference(q, keys, values, self.block_tables, self.context_lens)
+            return cascade_attention_reference(q, c.keys, c.values, self.block_tables, self.context_lens,
+                                               self.prefix, **scales)
+        return decode_attention_reference(q, c.keys, c.values, self.block_tables, self.context_lens, **scales)
 
 
 def decode_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                               block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+                               block_tables: torch.Tensor, context_lens: torch.Tensor,
+                               key_scales: torch.Tensor | None = None,
+                               value_scales: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, D]; keys/values [num_pages, Hkv, page, D] -> [B, Hq, D], exact: every row's pages
-    gathered into one padded [B, Hkv, L, D] batch, one SDPA masked to each row's context (a padded
-    row, context 0, gives zeros). One host sync (the longest context): CPU and tests only."""
+    gathered into one padded [B, Hkv, L, D] batch (fp8: dequantised with key/value_scales
+    [num_pages, Hkv, page]), one SDPA masked to each row's context (a padded row, context 0, gives
+    zeros). One host sync (the longest context): CPU and tests only."""
     num_rows, page = q.shape[0], keys.shape[2]
     longest = int(context_lens.max()) if num_rows else 0
     if longest == 0:
         return torch.zeros_like(q)
     pages = block_tables[:, :-(-longest // page)].long()                    # [B, mp]
-    gather = lambda c: c[pages].permute(0, 2, 1, 3, 4).flatten(2, 3)        # noqa: E731  [B, Hkv, mp*page, D]
+    gather = lambda c: c[pages].transpose(1, 2).flatten(2, 3)               # noqa: E731  [B, Hkv, mp*page, ...]
     k, v = gather(keys), gather(values)
+    if key_scales is not None:
+        k = (k.float() * gather(key_scales)[..., None]).to(q.dtype)
+        v = (v.float() * gather(value_scales)[..., None]).to(q.dtype)
     visible = torch.arange(k.shape[2], device=q.device)[None, :] < context_lens[:, None].long()   # [B, L]
     empty = context_lens == 0
     visible[:, 0] |= empty                    # keep all-masked rows finite; zeroed below

@@ -39,7 +39,8 @@ import torch
 from furlong.engine.cascade import GroupPlan, cascade_members, no_groups, plan_groups
 from furlong.engine.decode_inputs import DecodeInputs, sampling_rows
 from furlong.engine.forward import EngineForward
-from furlong.engine.kv_cache import DecodeContext, PagedKVCache, PrefillContext
+from furlong.engine.kv_cache import DecodeContext, KVLayout, PagedKVCache, PrefillContext
+from furlong.engine.kv_fp8 import FP8, kv_storage_dtype
 from furlong.engine.prefix_prefill import prefix_prefill_context
 from furlong.engine.sampling import SamplingRows, row_thresholds, sample_reference
 from furlong.engine.scheduler import PrefillItem
@@ -52,13 +53,16 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, page_size: int, max_num_seqs: int, use_cuda_graphs: bool,
-                 compile: bool, cascade: bool = True, cascade_min_prefix: int = 1):
+                 compile: bool, cascade: bool = True, cascade_min_prefix: int = 1, kv_dtype: str = "auto"):
         self.model = model
         self.forward = EngineForward(model, compile=compile)
         self.args = model.args
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.page_size = page_size
+        store = kv_storage_dtype(kv_dtype, self.dtype)
+        self.layout = KVLayout(self.args.num_layers, self.args.num_kv_heads, page_size, self.args.head_dim, store,
+                               scaled=store == FP8)
         self.on_gpu = self.device.type == "cuda"
         self.use_cuda_graphs = use_cuda_graphs and self.on_gpu
         self.buckets = [b for b in BATCH_BUCKETS if b < max_num_seqs] + [max_num_seqs]
@@ -77,17 +81,9 @@ class ModelRunner:
         self._group_plan: GroupPlan = no_groups(0)
 
     # ---- session -------------------------------------------------------------------------------
-    def page_shape(self) -> tuple[int, ...]:
-        a = self.args
-        return PagedKVCache.page_shape(a.num_layers, a.num_kv_heads, self.page_size, a.head_dim)
-
     def page_bytes(self) -> int:
-        """Bytes of one page, keys and values."""
-        return 2 * self.dtype.itemsize * torch.Size(self.page_shape()).numel()
-
-    def _views(self, buf: torch.Tensor, num_pages: int) -> torch.Tensor:
-        return buf.view(self.dtype)[:num_pages * torch.Size(self.page_shape()).numel()].view(num_pages,
-                                                                                          *self.page_shape())
+        """Bytes of one page, keys and values (fp8: with their scales, about half of bf16's)."""
+        return 2 * self.layout.page_bytes
 
     def allocate(self, num_pages: int, max_pages_per_seq: int) -> None:
         dev, rows = self.device, self.buckets[-1]
@@ -95,23 +91,23 @@ class ModelRunner:
             total = torch.cuda.get_device_properties(dev).total_memory
             k = stable_buffer(dev, total)
             self.stable = (k, stable_buffer(dev, total)) if k is not None else ()
+        layout = self.layout
         if self.stable:
-            half = num_pages * self.page_bytes() // 2
             for buf in self.stable:
-                buf.map(half)
-            max_pages = self.stable[0].max_bytes // (self.page_bytes() // 2)
-            self.cache = PagedKVCache(*(self._views(buf.tensor, max_pages) for buf in self.stable))
+                buf.map(num_pages * layout.page_bytes)
+            max_pages = self.stable[0].max_bytes // layout.page_bytes
+            (keys, key_scales), (values, value_scales) = (layout.views(buf.tensor, max_pages) for buf in self.stable)
         else:
             self.graphs.clear()
             self.pool = None
             # zeros: the CPU reference attention reads whole pages (masked), and a NaN bit pattern
             # left in never-written memory would survive the mask (NaN * 0)
-            shape = (num_pages, *self.page_shape())
-            self.cache = PagedKVCache(torch.zeros(shape, dtype=self.dtype, device=dev),
-                                      torch.zeros(shape, dtype=self.dtype, device=dev))
+            (keys, key_scales), (values, value_scales) = (
+                layout.views(torch.zeros(num_pages * layout.page_bytes, dtype=torch.uint8, device=dev), num_pages)
+                for _ in range(2))
+        self.cache = PagedKVCache(keys, values, key_scales, value_scales)
         self.kv_bytes = num_pages * self.page_bytes()
-        self.cache.keys[0].zero_()     # the scratch page: padded rows read it, keep it finite
-        self.cache.values[0].zero_()
+        self.cache.zero_page(0)        # the scratch page: padded rows read it, keep it finite
         self._group_key = None                # serials restart with the session's scheduler
         if self.inputs is None or self.inputs.max_pages != max_pages_per_seq:
             self.graphs.clear()
@@ -135,7 +131,7 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, rows: SamplingRows, truncate: bool) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.on_gpu:
             return sample_reference(logits, rows, truncate)
-        from furlong.engine.kernels import sample_chunks, sample_tokens
+        from furlong.engine.sample_kernels import sample_chunks, sample_tokens
         if truncate:
             thr = row_thresholds(logits.float() * rows.inv_temperature[:, None], rows.top_k, rows.top_p)
             thr = torch.where(rows.greedy, float("-inf"), thr)

@@ -22,6 +22,7 @@ workers (entry.py supplies `describe`).
 """
 from __future__ import annotations
 
+import datetime
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
@@ -47,8 +48,10 @@ def _resolve_device_type(device_pref: str) -> str:
     return device_pref
 
 
-def init_distributed(device_pref: str = "auto") -> DistContext:
-    """Join the process group described by torchrun-style env vars, or run alone."""
+def init_distributed(device_pref: str = "auto", timeout_minutes: float | None = None) -> DistContext:
+    """Join the process group described by torchrun-style env vars, or run alone. `timeout_minutes`
+    (--distributed-timeout-minutes) bounds every collective of the group and the rendezvous; None keeps
+    torch's default."""
     device_type = _resolve_device_type(device_pref)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -61,16 +64,37 @@ def init_distributed(device_pref: str = "auto") -> DistContext:
     backend = "nccl" if device_type == "cuda" else "gloo"
     if not dist.is_initialized():
         kwargs: dict[str, Any] = {"backend": backend, "rank": rank, "world_size": world_size}
+        if timeout_minutes is not None:
+            kwargs["timeout"] = datetime.timedelta(minutes=timeout_minutes)
         if "MASTER_ADDR" not in os.environ:
             # single process: a one-rank group on a private port, so the trainer
             # has one code path (FSDP2/DTensor) for any world size
             kwargs["init_method"] = f"tcp://127.0.0.1:{free_port()}"
+        elif "TORCHELASTIC_RESTART_COUNT" in os.environ:
+            kwargs["store"] = _attempt_store(rank, kwargs.get("timeout"))
         if device_type == "cuda":
             kwargs["device_id"] = device  # eager NCCL init bound to this rank's GPU
+            # On a timeout NCCL's watchdog aborts the communicators and the waiting call raises (2,
+            # "CleanUpOnly"), instead of tearing the process down from the watchdog thread (torch's
+            # default), so the rank reaches its one-line report (failure.py).
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         dist.init_process_group(**kwargs)
     else:  # joined earlier in this process: report the group's actual shape
         rank, world_size, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
     return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
+
+
+def _attempt_store(rank: int, timeout: datetime.timedelta | None) -> dist.Store:
+    """Under torchrun: a client of the agent's store, its keys under this restart attempt's prefix.
+    With the static rendezvous (--master-addr/--master-port) the agent keeps one store across
+    --max-restarts, so a restarted worker would otherwise read the addresses its dead predecessors
+    published and hang connecting to them; every node's agent counts the same restarts, since a
+    failure stops the workers of every node (launch/failure.py). Without the agent's store (a
+    rendezvous that does not share it), rank 0 serves one, as torch's env:// set-up does."""
+    host_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=host_it,
+                          timeout=timeout or datetime.timedelta(minutes=10))
+    return dist.PrefixStore(f"furlong/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
 def destroy_distributed() -> None:

@@ -6,9 +6,9 @@ error too, except RoPE caches and a tied `lm_head.weight` that some exporters
 write; a truncated or garbage file fails its header check (safetensors compares
 the header's extent with the file size). All errors are ValueError naming the
 file and key, so a run can check its checkpoint before it writes anything.
-Loading checks the same, builds the Transformer on the meta device (no memory,
-no init), casts, materializes it with `to_empty`, then copies each tensor from
-the memory-mapped file(s) into place and recomputes the fp32 RoPE frequencies.
+Loading checks the same plus every tensor's values (NaN/inf refused), builds the Transformer on the
+meta device (no memory, no init), casts, materializes it with `to_empty`, then copies each tensor
+from the memory-mapped file(s) into place and recomputes the fp32 RoPE frequencies.
 
 Names: ours are the HF names without the "model." prefix. `hf_name` is the one
 mapping between the two; everything else here goes through it.
@@ -143,7 +143,10 @@ def load_pretrained(path: str | Path, dtype: torch.dtype | None = None,
         for file, keys in by_file.items():
             with _open(file) as f:
                 for key in keys:
-                    targets[key].copy_(f.get_tensor(key))
+                    t = f.get_tensor(key)
+                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):   # one pass per tensor
+                        raise ValueError(f"{file}: tensor {key!r} holds NaN or inf values (damaged checkpoint?)")
+                    targets[key].copy_(t)
     model.init_rope()
     return model.eval()
 
@@ -156,12 +159,14 @@ def _to_cpu(t: torch.Tensor) -> torch.Tensor:
 
 def save_hf(state_dict_or_model: dict[str, torch.Tensor] | nn.Module, args: ModelArgs,
             out_dir: str | Path, tokenizer_src: str | Path | None = None) -> Path:
-    """Write an HF checkpoint dir loadable by transformers; replaces out_dir atomically.
+    """Write an HF checkpoint dir loadable by transformers: built in a temporary directory, then renamed
+    into place (safe_paths.install_checkpoint: into an existing directory only its checkpoint files are
+    replaced; the caller has checked the target with safe_paths.check_dir_target).
 
     Tied embeddings are written once (no lm_head.weight), as transformers does.
     Tokenizer/generation files present in tokenizer_src are copied.
     """
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir).resolve()   # a symlink's target receives the checkpoint; the link stays
     sd = state_dict_or_model.state_dict() if isinstance(state_dict_or_model, nn.Module) else state_dict_or_model
     tensors = {k: _to_cpu(v) for k, v in hf_state_dict(sd).items()}
     if args.tie_word_embeddings:
@@ -171,8 +176,10 @@ def save_hf(state_dict_or_model: dict[str, torch.Tensor] | nn.Module, args: Mode
     float_dtypes = [t.dtype for t in tensors.values() if t.is_floating_point()]
     dtype = float_dtypes[0] if float_dtypes else args.torch_dtype
 
+    from furlong.safe_paths import install_checkpoint, remove_stale_temps, temp_prefix
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    remove_stale_temps(out_dir)   # left by a save that was killed (its process is gone)
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out_dir), dir=out_dir.parent))
     os.chmod(tmp, 0o755)   # mkdtemp makes it private; a checkpoint dir should not be
     try:
         (tmp / "config.json").write_text(json.dumps(args.to_hf_config(dtype), indent=2) + "\n")
@@ -182,13 +189,7 @@ def save_hf(state_dict_or_model: dict[str, torch.Tensor] | nn.Module, args: Mode
                 src = Path(tokenizer_src) / name
                 if src.is_file():
                     shutil.copy2(src, tmp / name)
-        old = None
-        if out_dir.exists():
-            old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-            os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        install_checkpoint(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

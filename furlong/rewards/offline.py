@@ -41,13 +41,15 @@ def _field(row: dict, key: str, where: str) -> str:
 
 
 def run_score(input_path: str | os.PathLike, rm_type: str, response_key: str = "response",
-              label_key: str = "label", output_path: str | os.PathLike | None = None) -> ScoreReport:
-    """Score every row of `input_path` with the built-in reward `rm_type`."""
+              label_key: str = "label", output_path: str | os.PathLike | None = None,
+              overwrite: bool = False) -> ScoreReport:
+    """Score every row of `input_path` with the built-in reward `rm_type`. The output file must not
+    exist (unless `overwrite`) nor be the input; a symlink's target is written, the link kept."""
+    from furlong.safe_paths import check_file_target
     scorer = get_scorer(rm_type)
     src = Path(input_path)
     dst = Path(output_path) if output_path is not None else default_output_path(src)
-    if dst.resolve() == src.resolve():
-        raise ValueError(f"{src}: output path would overwrite the input")
+    dst = check_file_target(dst, "--output", {"--input": src}, overwrite)
     try:
         lines = src.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:

@@ -102,15 +102,17 @@ def _fn_name(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
-def _as_float(value: Any, sample: Sample) -> float:
+def _as_float(value: Any, sample: Sample, fn: Any) -> float:
+    """The reward as a finite float, else RewardError naming the function and the sample."""
+    where = f"reward function {_fn_name(fn)} returned {{}} for sample (group {sample.group_id}, index {sample.index})"
+    if not hasattr(value, "__float__"):   # None, str, list ...: float() would raise or mislead
+        raise RewardError(where.format(f"{type(value).__name__} {str(value)[:40]!r}") + ", not a number")
     try:
         out = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"--custom-rm-path: reward for sample (group {sample.group_id}, "
-                         f"index {sample.index}) is {type(value).__name__}, not a number") from None
+    except (TypeError, ValueError, OverflowError) as e:   # 10**400 overflows a float
+        raise RewardError(where.format(f"{str(value)[:40]}") + f": not a float ({type(e).__name__})") from None
     if not math.isfinite(out):
-        raise RewardError(f"reward for sample (group {sample.group_id}, index {sample.index}) is {out}: rewards "
-                          "must be finite numbers")
+        raise RewardError(where.format(out) + f"; the reward is {out}: rewards must be finite numbers")
     return out
 
 
@@ -161,6 +163,9 @@ def _call(fn: RewardFn, sample: Sample) -> Any:
         return fn(sample)
     except RewardError:
         raise
+    except SystemExit as e:   # sys.exit() in a reward would end the run with no line
+        raise RewardError(f"reward function {_fn_name(fn)} called sys.exit({e.code!r}) on sample (group "
+                          f"{sample.group_id}, index {sample.index})") from None
     except Exception as e:   # a user's reward code: report which call failed, in one line
         raise RewardError(f"reward function {_fn_name(fn)} raised on sample (group {sample.group_id}, index "
                           f"{sample.index}): {type(e).__name__}: {e}".splitlines()[0]) from e
@@ -181,11 +186,15 @@ def compute_rewards(fn: RewardFn, samples: list[Sample]) -> list[float]:
             in_loop = True
         except RuntimeError:
             in_loop = False
-        if in_loop:  # asyncio.run refuses to nest; run the batch's loop on a helper thread
-            with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-                done = pool.submit(asyncio.run, _gather(pending)).result()
-        else:
-            done = asyncio.run(_gather(pending))
+        try:
+            if in_loop:  # asyncio.run refuses to nest; run the batch's loop on a helper thread
+                with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+                    done = pool.submit(asyncio.run, _gather(pending)).result()
+            else:
+                done = asyncio.run(_gather(pending))
+        except SystemExit as e:   # asyncio lets it through gather: which sample is not known
+            raise RewardError(f"reward function {_fn_name(fn)} called sys.exit({e.code!r}) while rewarding "
+                              f"{len(pending)} samples") from None
         for i, value in zip(waiting, done):
             if isinstance(value, RewardError):
                 raise value
@@ -194,4 +203,4 @@ def compute_rewards(fn: RewardFn, samples: list[Sample]) -> list[float]:
                 raise RewardError(f"reward function {_fn_name(fn)} raised on sample (group {s.group_id}, index "
                                   f"{s.index}): {type(value).__name__}: {value}".splitlines()[0]) from value
             results[i] = value
-    return [_as_float(r, s) for r, s in zip(results, samples)]
+    return [_as_float(r, s, fn) for r, s in zip(results, samples)]

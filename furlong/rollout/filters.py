@@ -14,6 +14,7 @@ DynamicFilterOutput; furlong's take the Group and return a bool.
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -34,13 +35,22 @@ def check_reward_nonzero_std(group: Group) -> bool:
     return std > 1e-8
 
 
+class FilterError(RuntimeError):
+    """A user filter failed on a group (raised, exited, or returned no truth value): the run stops."""
+
+
 @dataclass
 class GroupFilter:
     name: str          # drop reason in metrics: rollout/dynamic_filter/drop_<name>
     fn: FilterFn
 
     def __call__(self, group: Group) -> bool:
-        return bool(self.fn(group))
+        try:
+            return bool(self.fn(group))
+        except (Exception, SystemExit) as e:   # user code: one line naming the filter and the group
+            what = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {type(e).__name__}: {e}"
+            raise FilterError(f"{FLAG}: filter {self.name} {what} on group {group.group_id} (prompt row "
+                              f"{group.samples[0].prompt.row if group.samples else '?'})".splitlines()[0]) from None
 
 
 _BUILTIN: dict[str, GroupFilter] = {
@@ -69,4 +79,11 @@ def load_filter(path: str | None) -> GroupFilter | None:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"{FLAG}: {module_name!r} has no callable {attr!r}")
+    try:
+        inspect.signature(fn).bind(object())
+    except TypeError:
+        raise ValueError(f"{FLAG}: {path} must take one positional argument, the Group (miles-style "
+                         "fn(args, samples) is not supported)") from None
+    except ValueError:
+        pass   # no introspectable signature (some builtins): trust the user
     return GroupFilter(attr, fn)

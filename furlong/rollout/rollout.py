@@ -21,6 +21,10 @@ that finished (all_gather_object, rank order), so every rank filters the same
 groups in the same order, keeps the same list, and aborts at the same point.
 Sampling seeds depend only on (rollout seed, rollout id, group id), so a group's
 samples do not depend on the number of ranks.
+
+Progress: rank 0 reports a line at least every `REPORT_EVERY_S` seconds while a rollout runs
+(samples done, groups kept/dropped/in flight, generated tokens per second), so a rollout that
+keeps dropping groups is never silent; `give_up_rule` states the bound above at start-up.
 """
 from __future__ import annotations
 
@@ -37,6 +41,21 @@ from furlong.engine.sequence import Completion, Request
 from furlong.rewards.registry import compute_rewards
 from furlong.rollout.filters import GroupFilter
 from furlong.types import DistContext, Group, Prompt, Sample
+
+
+REPORT_EVERY_S = 10.0   # seconds between progress lines inside one rollout
+
+
+def _print_line(text: str) -> None:
+    print(text, flush=True)
+
+
+def give_up_rule(spec: RolloutSpec, num_prompts: int, filter_name: str) -> str:
+    """The bound of the module docstring, in words, for the run's start."""
+    limit = max(num_prompts, spec.rollout_batch_size)
+    return (f"dynamic sampling filter {filter_name}: each rollout keeps {spec.rollout_batch_size} groups of "
+            f"{spec.n_samples_per_prompt}; it gives up with an error when {limit} prompts (max of the data set's "
+            f"{num_prompts} and --rollout-batch-size) have been drawn and fewer groups passed")
 
 
 class RolloutError(RuntimeError):
@@ -161,9 +180,14 @@ class _Submitted:
 
 def generate_rollout(dataset: Any, engine: Any, reward_fn: Callable[[Sample], Any],
                      filter_fn: GroupFilter | None, spec: RolloutSpec, ranks: DistContext | None,
-                     rollout_id: int) -> RolloutBatch:
-    """Generate, reward and filter until `rollout_batch_size` groups are kept (module docstring)."""
+                     rollout_id: int, report: Callable[[str], None] | None = _print_line,
+                     report_every_s: float = REPORT_EVERY_S) -> RolloutBatch:
+    """Generate, reward and filter until `rollout_batch_size` groups are kept (module docstring).
+    `report` receives the progress lines (rank 0 only; None: silent)."""
     started = time.perf_counter()
+    if ranks is not None and ranks.rank != 0:
+        report = None
+    last_report = started
     engine.reset_stats()
     target, per_batch, n = spec.rollout_batch_size, spec.over_sampling_batch_size, spec.n_samples_per_prompt
     limit = max(len(dataset), target)
@@ -202,6 +226,12 @@ def generate_rollout(dataset: Any, engine: Any, reward_fn: Callable[[Sample], An
                 dropped[filter_fn.name] += 1
             else:
                 kept.append(g)
+        now = time.perf_counter()
+        if report is not None and now - last_report >= report_every_s and len(kept) < target:
+            last_report = now
+            report(f"[rollout {rollout_id + 1} generating] {num_finished * n} samples done | groups kept "
+                   f"{len(kept)}/{target}, dropped {sum(dropped.values())}, in flight {in_flight} | "
+                   f"{num_tokens / max(now - started, 1e-9):.0f} tok/s (finished groups) | {now - started:.0f}s")
     num_aborted = in_flight + num_late
     aborted = engine.abort(set(mine.requests))
     num_tokens += sum(gather_lists([len(c.token_ids) for c in aborted], ranks))

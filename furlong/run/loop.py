@@ -9,23 +9,22 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from furlong.config import Config
 from furlong.run.metrics import Progress, progress_line, write_samples
-from furlong.rollout.rollout import RolloutBatch, RolloutSpec
-from furlong.run.rollout_step import eval_step, rollout_step
+from furlong.run.rollout_step import eval_step
 from furlong.run.user_functions import UserFunctions
 from furlong.run.setup import RunParts, build_run
+from furlong.launch.failure import Position
 from furlong.launch.signals import StopRequest
-from furlong.run.specs import checkpoint_paths, eval_spec, rollout_spec, sample_spec
+from furlong.run.specs import checkpoint_paths, eval_spec, step_settings
+from furlong.run.step import StageClock, rl_step
 from furlong.trainer.mfu import mfu
+from furlong.trainer.nonfinite import NonFiniteGuard
 from furlong.checkpoint.run import save_run
-from furlong.run.train_samples import build_train_samples
-from furlong.trainer.weight_sync import sync_weights
 from furlong.types import DistContext
 
 
@@ -61,11 +60,6 @@ class CiFailure(RuntimeError):
     pass
 
 
-def _rollout(parts: RunParts, spec: RolloutSpec, rollout_id: int) -> RolloutBatch:
-    """One rollout (run/rollout_step.py picks which); the engine's KV cache is freed after it."""
-    return rollout_step(parts, spec, rollout_id)
-
-
 def _run_evals(parts: RunParts, rollout_id: int) -> dict[str, float]:
     spec, out = eval_spec(parts.cfg), {}
     for name, prompts in parts.eval_sets:
@@ -81,12 +75,15 @@ def _run_evals(parts: RunParts, rollout_id: int) -> dict[str, float]:
 
 
 def _save(parts: RunParts, rollout_id: int) -> None:
+    t = time.perf_counter()
     path = save_run(checkpoint_paths(parts.cfg), parts.actor, parts.critic, parts.dataset, rollout_id)
-    parts.logger.line(f"saved checkpoint {path} (after rollout {rollout_id + 1})")
+    parts.logger.line(f"saved checkpoint {path} (after rollout {rollout_id + 1}, {time.perf_counter() - t:.1f}s)")
 
 
-def run_rl(cfg: Config, ctx: DistContext, user: UserFunctions | None = None) -> int:
-    """`furlong train`; `user`: the Python API's callables in place of module-path flags (api.py)."""
+def run_rl(cfg: Config, ctx: DistContext, position: Position | None = None, user: UserFunctions | None = None) -> int:
+    """`position`: where this rank is (launch/failure.py names it if the run fails); a fresh one if None.
+    `user`: the Python API's callables in place of module-path flags (api.py)."""
+    position = position or Position(rank=ctx.rank)
     parts = build_run(cfg, ctx, with_actor=True, user=user)   # validates every input before anything is written
     logger = parts.logger
     ci = CiChecker(cfg.log.ci_metric_checker_key if cfg.log.ci_test else None,
@@ -103,75 +100,46 @@ def run_rl(cfg: Config, ctx: DistContext, user: UserFunctions | None = None) -> 
         logger.line("[eval before training] " + " | ".join(f"{k} {v:.3f}" for k, v in m.items()))
 
     with StopRequest() as stop:
-        code = _rollouts(parts, ci, progress, stop)
+        code = _rollouts(parts, ci, progress, stop, position)
     if code:
         logger.close()
         return code
     if cfg.ckpt.save is not None and num_rollout > parts.start_rollout and not (
             cfg.ckpt.save_interval and num_rollout % cfg.ckpt.save_interval == 0):
-        _save(parts, num_rollout - 1)   # always leave the final state on disk
+        with position.stage("save", num_rollout - 1):
+            _save(parts, num_rollout - 1)   # always leave the final state on disk
     logger.close()
     ci.final()
     return 0
 
 
-class PhaseClock:
-    """Wall-clock seconds of named phases of one step (`with clock("perf/x_time"): ...`)."""
-
-    def __init__(self) -> None:
-        self.started = time.perf_counter()
-        self.seconds: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, name: str):
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.started
-
-
-def _rollouts(parts: RunParts, ci: "CiChecker", progress: Progress, stop: StopRequest) -> int:
+def _rollouts(parts: RunParts, ci: "CiChecker", progress: Progress, stop: StopRequest, position: Position) -> int:
     """The RL steps; 0, or 128 + signal when a SIGINT/SIGTERM stopped the run after a whole step."""
-    cfg, ctx, actor, critic, logger = parts.cfg, parts.ctx, parts.actor, parts.critic, parts.logger
+    cfg, ctx, logger = parts.cfg, parts.ctx, parts.logger
     num_rollout, eval_every = cfg.rollout.num_rollout, cfg.eval.eval_interval
-    spec, shaping = rollout_spec(cfg), sample_spec(cfg)
+    settings = step_settings(cfg)
+    skips = NonFiniteGuard(cfg.optim.max_nonfinite_skips)
     for rollout_id in range(parts.start_rollout, num_rollout):
-        clock = PhaseClock()
-        batch = _rollout(parts, spec, rollout_id)
-        with clock("perf/log_probs_time"):
-            # advantages, old/ref log-probs; with a critic (ppo) its values and the returns
-            samples = build_train_samples(batch.groups, shaping, actor, critic)
-        metrics = batch.metrics.as_log()
-        if critic is not None:   # miles' order: the critic trains first, on the values GAE used
-            with clock("perf/critic_train_time"):
-                metrics.update(critic.train_step(samples).to_log())
-        # --num-critic-only-steps: the first rollouts warm the critic up while the actor stays frozen
-        if rollout_id >= cfg.algo.num_critic_only_steps:
-            with clock("perf/actor_train_time"):
-                tm = actor.train_step(samples)
-            if rollout_id == cfg.algo.num_critic_only_steps:
-                ci.check_first_step_kl(tm.ppo_kl)
-            with clock("perf/update_weights_time"):
-                sync_weights(actor.model, parts.engine.model, cfg.batch.update_weight_buffer_size)
-            metrics.update(tm.to_log())
+        clock = StageClock(position, rollout_id)
+        step = rl_step(parts, settings, rollout_id, clock)    # rollout ... weight sync (run/step.py)
+        metrics = step.metrics
+        if step.train is not None and rollout_id == cfg.algo.num_critic_only_steps:
+            ci.check_first_step_kl(step.train.ppo_kl)
         if cfg.log.save_debug_rollout_data and ctx.rank == 0:
-            write_samples(parts.output_dir, "train", rollout_id, batch.samples, prefix="rollout")
+            write_samples(parts.output_dir, "train", rollout_id, step.batch.samples, prefix="rollout")
         if eval_every is not None and parts.eval_sets and (rollout_id + 1) % eval_every == 0:
-            with clock("perf/eval_time"):
-                m = _run_evals(parts, rollout_id)
+            m = clock.run("eval", _run_evals, parts, rollout_id)
             ci.observe(m)
             metrics.update(m)
-        # perf/rollout_time and perf/rollout_tok_per_s come from the rollout's own clock (as_log)
         metrics.update(clock.seconds)
+        # the name miles' dashboards read: both log-prob passes (0 when the training forward supplies them)
+        metrics["perf/log_probs_time"] = (clock.seconds.get("perf/old_log_probs_time", 0.0)
+                                          + clock.seconds.get("perf/ref_log_probs_time", 0.0))
         metrics["perf/step_time"] = clock.elapsed()
-        if "perf/actor_train_time" in clock.seconds:
-            t_train, num_train_tokens = clock.seconds["perf/actor_train_time"], sum(s.num_tokens for s in samples)
+        if step.train is not None:
+            t_train, num_train_tokens = clock.seconds["perf/actor_train_time"], sum(s.num_tokens for s in step.samples)
             metrics["perf/actor_train_tok_per_s"] = num_train_tokens / max(t_train, 1e-9)
-            # 6*N FLOPs per token over the peak of the GPUs in use (train/mfu.py)
+            # 6*N FLOPs per token over the peak of the GPUs in use (trainer/mfu.py)
             metrics["perf/actor_train_mfu"] = mfu(parts.num_params, num_train_tokens, t_train, ctx.device,
                                                   ctx.world_size)
         if torch.cuda.is_available():
@@ -180,14 +148,19 @@ def _rollouts(parts: RunParts, ci: "CiChecker", progress: Progress, stop: StopRe
         # The metrics line is on disk before the checkpoint's tracker moves past this rollout: a crash
         # between the two repeats the line on resume (cut back then), never loses it.
         logger.log(rollout_id, metrics)
+        if "train/num_steps" in metrics:   # --max-nonfinite-skips, once the step's line is on disk
+            skips.observe(int(metrics["train/num_steps"]), int(metrics["train/num_skipped_steps"]),
+                          f"rollout {rollout_id + 1}")
         logger.line(progress_line(rollout_id, num_rollout, metrics, progress.eta(rollout_id + 1)))
         saved = cfg.ckpt.save is not None and cfg.ckpt.save_interval and (rollout_id + 1) % cfg.ckpt.save_interval == 0
         if saved:
-            _save(parts, rollout_id)
+            with position.stage("save", rollout_id):
+                _save(parts, rollout_id)
         signum = stop.agreed(ctx.world_size, ctx.device)
         if signum:
             if cfg.ckpt.save is not None and not saved:
-                _save(parts, rollout_id)
+                with position.stage("save", rollout_id):
+                    _save(parts, rollout_id)
             logger.line(f"furlong: stopped by signal {signum} after rollout {rollout_id + 1}/{num_rollout}"
                         + (f"; resume with --load {cfg.ckpt.save}" if cfg.ckpt.save is not None else ""))
             return 128 + signum

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable
 
 from furlong.config import Config
 from furlong.checkpoint.verify import CheckpointChoice, choose_checkpoint
+from furlong.run.identity import RunDirs, plan_run_dirs
 from furlong.types import Prompt, Sample
 
 if TYPE_CHECKING:   # heavy imports (transformers, the data readers) only where a run needs them
@@ -92,6 +93,16 @@ def default_output_dir(cfg: Config) -> Path:
     return Path(cfg.log.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
 
 
+def nothing_saved_yet(cfg: Config) -> bool:
+    """--load is the run's own --save and holds no checkpoint yet: the run starts fresh (the first launch
+    of a run that torchrun may restart with the same command; Megatron/miles start fresh from an empty
+    --load too). Any other --load without a checkpoint is refused."""
+    from furlong.checkpoint.verify import TRACKER
+    c = cfg.ckpt
+    return (c.load is not None and c.save is not None and c.ckpt_step is None
+            and Path(c.load).resolve() == Path(c.save).resolve() and not (Path(c.load) / TRACKER).exists())
+
+
 @dataclass
 class CheckedInputs:
     """A run's inputs after every check; nothing has been written yet."""
@@ -106,6 +117,7 @@ class CheckedInputs:
     resume: CheckpointChoice | None            # the --load iteration to restore
     output_dir: Path
     critic_checkpoint: Path | None             # HF dir the critic starts from (ppo only)
+    run_dirs: RunDirs                          # run id, and what a new run clears (run/identity.py)
     functions: RolloutFunctions | None = None  # custom generate / rollout functions (None: none given)
 
     def prompts(self) -> list[Prompt]:
@@ -148,7 +160,7 @@ def check_inputs(cfg: Config, with_actor: bool, user: UserFunctions | None = Non
     dataset = None
     if with_actor:
         dataset = PromptDataset(cfg.data.prompt_data, input_key=cfg.data.input_key, label_key=cfg.data.label_key,
-                                shuffle=cfg.data.rollout_shuffle, seed=cfg.data.rollout_seed, **common)
+                                shuffle=cfg.data.rollout_shuffle, seed=cfg.rollout_seed, **common)
     eval_sets = []
     for name, path in cfg.eval_sets():
         ds = PromptDataset(path, input_key=cfg.eval.eval_input_key or cfg.data.input_key,
@@ -163,7 +175,7 @@ def check_inputs(cfg: Config, with_actor: bool, user: UserFunctions | None = Non
     functions = load_user_functions(cfg, user)
     filter_fn = load_filter(cfg.rollout.dynamic_sampling_filter_path)
     resume = None
-    if cfg.ckpt.load is not None:
+    if cfg.ckpt.load is not None and not nothing_saved_yet(cfg):
         resume = choose_checkpoint(cfg.ckpt.load, cfg.ckpt.ckpt_step, param_shapes(args))
         if with_actor and resume.iteration > cfg.rollout.num_rollout:
             raise ValueError(f"--num-rollout: {cfg.rollout.num_rollout} is below the {resume.iteration} rollouts "
@@ -175,12 +187,22 @@ def check_inputs(cfg: Config, with_actor: bool, user: UserFunctions | None = Non
     critic_ckpt = None
     if with_actor and cfg.algo.advantage_estimator == "ppo":
         critic_ckpt = check_critic_inputs(cfg, ckpt, args.vocab_size, resume.iteration if resume is not None else None)
-    if (out / "metrics.jsonl").exists() and cfg.ckpt.load is None and not cfg.log.overwrite:
-        raise ValueError(f"--output-dir: {out} already holds a run (metrics.jsonl); pass --load to continue it "
-                         "or --overwrite to replace it")
+    run_dirs = check_run_dirs(cfg, out, with_actor and critic_ckpt is not None) if with_actor else \
+        plan_run_dirs(out, [], None, cfg.log.overwrite)   # eval: a run directory of its own
     return CheckedInputs(hf_checkpoint=ckpt, model_args=args, tokenizer=tokenizer, max_response_len=max_resp,
                          dataset=dataset, eval_sets=eval_sets, reward_fn=reward_fn, filter_fn=filter_fn,
-                         resume=resume, output_dir=out, critic_checkpoint=critic_ckpt, functions=functions)
+                         resume=resume, output_dir=out, critic_checkpoint=critic_ckpt, run_dirs=run_dirs,
+                         functions=functions)
+
+
+def check_run_dirs(cfg: Config, out: Path, with_critic: bool) -> RunDirs:
+    """--output-dir and the save directories against the run's id (run/identity.py)."""
+    from furlong.run.specs import checkpoint_paths
+    paths = checkpoint_paths(cfg)
+    saves = [] if paths.save is None else [("--save", paths.save, paths.load)]
+    if with_critic and paths.critic_save is not None:
+        saves.append(("--critic-save", paths.critic_save, paths.critic_load))
+    return plan_run_dirs(out, saves, cfg.ckpt.load, cfg.log.overwrite)
 
 
 def check_critic_inputs(cfg: Config, hf_checkpoint: Path, vocab_size: int, resume_iteration: int | None) -> Path:

@@ -10,6 +10,7 @@ scored with its tools. Every path frees the engine's KV cache afterwards (coloca
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING
 
 from furlong.config_checks import chat_template_kwargs
 from furlong.engine.async_front import AsyncEngine
@@ -18,8 +19,10 @@ from furlong.rollout.custom_generate import GenerateArgs
 from furlong.rollout.custom_rollout import run_custom_rollout
 from furlong.rollout.eval import EvalResult, EvalSpec, run_eval
 from furlong.rollout.rollout import RolloutBatch, RolloutSpec, generate_rollout
-from furlong.run.setup import RunParts
 from furlong.types import Prompt
+
+if TYPE_CHECKING:
+    from furlong.run.setup import RunParts
 
 
 def _front(parts: RunParts, evaluation: bool) -> tuple[AsyncEngine, GenerateArgs]:

@@ -17,7 +17,9 @@ import torch
 
 from furlong.config import Config
 from furlong.run.metrics import MetricsLogger
+from furlong.run.identity import prepare_run_dirs, run_record
 from furlong.run.preflight import check_inputs
+from furlong.seeding import seed_everything
 from furlong.launch.distributed import barrier
 from furlong.trainer.fsdp import compute_dtype
 from furlong.types import DistContext, Prompt, Sample
@@ -72,6 +74,7 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctio
     from furlong.models.hf_io import load_pretrained
 
     # 1. inputs (nothing written yet)
+    seed_everything(cfg.parallel.seed)
     inputs = check_inputs(cfg, with_actor, user)
     ckpt, tokenizer, max_resp, resume, out = (inputs.hf_checkpoint, inputs.tokenizer, inputs.max_response_len,
                                               inputs.resume, inputs.output_dir)
@@ -91,7 +94,8 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctio
         kv_fraction=r.rollout_kv_fraction, max_num_seqs=r.rollout_max_num_seqs,
         decode_window=r.rollout_decode_window,
         max_model_len=max(max_prompt_len + max_resp, r.rollout_max_context_len or 0),   # multi-turn: whole context
-        use_cuda_graphs=not r.rollout_enforce_eager, cascade=not r.rollout_no_cascade))
+        use_cuda_graphs=not r.rollout_enforce_eager, cascade=not r.rollout_no_cascade,
+        kv_dtype=r.rollout_kv_dtype))
     actor = critic = None
     if with_actor:
         from furlong.trainer.actor import Actor
@@ -117,10 +121,13 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctio
     barrier()
     logger_enabled = ctx.rank == 0
     if logger_enabled:
-        out.mkdir(parents=True, exist_ok=True)
-        if cfg.log.overwrite and cfg.ckpt.load is None and (out / "metrics.jsonl").exists():
+        prepare_run_dirs(inputs.run_dirs)   # --overwrite's clearing, and the run id in each directory
+        # a fresh start under --load (nothing saved yet: preflight.nothing_saved_yet) drops the lines of the
+        # attempt that died before its first save, so each rollout is logged once
+        fresh_restart = cfg.ckpt.load is not None and resume is None and with_actor
+        if fresh_restart and (out / "metrics.jsonl").exists():
             (out / "metrics.jsonl").unlink()
-        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
+        (out / "config.json").write_text(json.dumps(run_record(cfg, inputs.run_dirs.run_id), indent=1, default=str))
     wandb = None
     if cfg.log.use_wandb and logger_enabled:
         if cfg.log.wandb_key:
@@ -131,6 +138,10 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctio
     logger = MetricsLogger(out, enabled=logger_enabled, use_tensorboard=cfg.log.use_tensorboard,
                            wandb_settings=wandb)
     logger.line(f"run directory: {out}")
+    if inputs.filter_fn is not None and dataset is not None:   # the bound of rollout.py, said up front
+        from furlong.rollout.rollout import give_up_rule
+        from furlong.run.specs import rollout_spec
+        logger.line(give_up_rule(rollout_spec(cfg), len(dataset), inputs.filter_fn.name))
     if resume is not None and not with_actor:
         logger.line(f"evaluating iteration {resume.iteration} of {cfg.ckpt.load} ({resume.path})")
 

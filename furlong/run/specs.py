@@ -15,10 +15,11 @@ from furlong.config import Config
 from furlong.engine.sampling import SamplingParams
 from furlong.rollout.eval import EvalSpec
 from furlong.rollout.rollout import RolloutSpec
-from furlong.algorithms.advantages import AdvantageParams
+from furlong.algorithms.advantages import AdvantageConfig
+from furlong.algorithms.shaping import ShapingConfig
 from furlong.algorithms.losses import LossParams
 from furlong.checkpoint.run import CheckpointPaths
-from furlong.run.train_samples import SampleSpec
+from furlong.run.step import LogProbPasses, StepSettings, log_prob_passes
 from furlong.trainer.spec import ActorSpec, CriticSpec, ShardSpec, StepSpec
 
 
@@ -75,16 +76,34 @@ def critic_spec(cfg: Config, total_steps: int | None = None) -> CriticSpec:
                       head_seed=cfg.parallel.seed)
 
 
-def sample_spec(cfg: Config) -> SampleSpec:
+def advantage_config(cfg: Config) -> AdvantageConfig:
     a = cfg.algo
-    return SampleSpec(
-        advantage_estimator=a.advantage_estimator, use_rollout_logprobs=a.use_rollout_logprobs,
-        use_kl_loss=a.use_kl_loss, kl_loss_type=a.kl_loss_type,
-        normalize_advantages=a.normalize_advantages, overlong_buffer_len=a.overlong_buffer_len,
-        overlong_penalty_factor=a.overlong_penalty_factor, max_response_len=cfg.rollout.rollout_max_response_len,
-        advantage=AdvantageParams(normalize_std=not a.disable_grpo_std_normalization,
-                                  normalize_rewards=not a.disable_rewards_normalization, kl_coef=a.kl_coef,
-                                  gamma=a.gamma, lambd=a.lambd))
+    # miles requires whitening for the reinforce_plus_plus family (its returns are not centred);
+    # furlong applies it for them whether or not --normalize-advantages is given
+    whiten = a.normalize_advantages or a.advantage_estimator.startswith("reinforce_plus_plus")
+    return AdvantageConfig(estimator=a.advantage_estimator, whiten=whiten, kl_type=a.kl_loss_type,
+                           normalize_std=not a.disable_grpo_std_normalization,
+                           normalize_rewards=not a.disable_rewards_normalization, kl_coef=a.kl_coef,
+                           gamma=a.gamma, lambd=a.lambd)
+
+
+def shaping_config(cfg: Config) -> ShapingConfig:
+    a = cfg.algo
+    return ShapingConfig(overlong_buffer_len=a.overlong_buffer_len, overlong_penalty_factor=a.overlong_penalty_factor,
+                         max_response_len=cfg.rollout.rollout_max_response_len)
+
+
+def passes(cfg: Config) -> LogProbPasses:
+    a = cfg.algo
+    kept = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt   # a rollout keeps exactly these
+    return log_prob_passes(a.use_rollout_logprobs, a.use_kl_loss, a.kl_coef, a.skip_actor_forward_only,
+                           step_spec(cfg).num_optimizer_steps(kept))
+
+
+def step_settings(cfg: Config) -> StepSettings:
+    return StepSettings(rollout=rollout_spec(cfg), shaping=shaping_config(cfg), advantages=advantage_config(cfg),
+                        passes=passes(cfg), num_critic_only_steps=cfg.algo.num_critic_only_steps,
+                        update_weight_buffer_size=cfg.batch.update_weight_buffer_size)
 
 
 def rollout_spec(cfg: Config) -> RolloutSpec:
@@ -94,14 +113,14 @@ def rollout_spec(cfg: Config) -> RolloutSpec:
                               stop_token_ids=list(r.rollout_stop_token_ids))
     return RolloutSpec(rollout_batch_size=r.rollout_batch_size, n_samples_per_prompt=r.n_samples_per_prompt,
                        over_sampling_batch_size=cfg.over_sampling_batch_size, sampling=sampling,
-                       seed=cfg.data.rollout_seed, max_context_len=r.rollout_max_context_len)
+                       seed=cfg.rollout_seed, max_context_len=r.rollout_max_context_len)
 
 
 def eval_spec(cfg: Config) -> EvalSpec:
     e, r = cfg.eval_sampling(), cfg.rollout
     sampling = SamplingParams(temperature=e.temperature, top_p=e.top_p, top_k=e.top_k,
                               max_new_tokens=e.max_new_tokens, stop=list(r.rollout_stop),
-                              stop_token_ids=list(r.rollout_stop_token_ids), seed=cfg.data.rollout_seed)
+                              stop_token_ids=list(r.rollout_stop_token_ids), seed=cfg.rollout_seed)
     return EvalSpec(sampling=sampling, n_samples_per_prompt=cfg.eval.n_samples_per_eval_prompt)
 
 

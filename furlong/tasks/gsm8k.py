@@ -58,7 +58,8 @@ def download_gsm8k(dest: Path) -> Path:
         from datasets import load_dataset
     except ImportError:
         raise ValueError("--input: not given, and the `datasets` package is not installed to download GSM8K; "
-                         "pass --input DIR holding train.jsonl and test.jsonl") from None
+                         "pass --input DIR holding train.jsonl and test.jsonl, or install it: "
+                         "pip install 'furlong[gsm8k]'") from None
     try:
         data = load_dataset("openai/gsm8k", "main")
     except Exception as e:   # offline, hub errors, ...: all mean "give the files yourself"

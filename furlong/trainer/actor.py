@@ -17,8 +17,9 @@ Per optimizer step:
 
 Log-prob reuse: with exactly one optimizer step per rollout the old policy is
 the current one, so old log-probs = the training forward's, detached
-(`--skip-actor-forward-only`, on by default exactly then). The model has no
-dropout, so the two forwards would be identical.
+(`--skip-actor-forward-only`, on by default exactly then; run/step.log_prob_passes
+decides which passes run, train_step only trains). The model has no dropout, so
+the two forwards would be identical.
 
 The frozen reference model (for --use-kl-loss) is a copy of the initial
 weights, sharded the same way, never trained.
@@ -26,7 +27,6 @@ weights, sharded the same way, never trained.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import time
 import warnings
@@ -37,8 +37,8 @@ import torch
 from furlong.trainer.batching import (move_micro_batch, pack_micro_batch, padding_micro_batch, response_positions,
                                     response_slices, to_device)
 from furlong.trainer.optimizer_step import finish_step
-from furlong.launch.distributed import all_gather_flat
-from furlong.trainer.fsdp import compile_enabled, micro_batch_sync, prepare_trainer_model, reshard_all
+from furlong.trainer.fsdp import compile_enabled, micro_batch_sync, prepare_trainer_model
+from furlong.trainer.no_grad_pass import gathered_forward
 from furlong.trainer.logprobs import chunked_log_probs, keep_logits_budget
 from furlong.algorithms.losses import LossMetrics, LossParams, rl_loss, sft_loss
 from furlong.trainer.metrics import StepResult, TrainMetrics
@@ -79,7 +79,7 @@ class Actor:
         if loss not in LOSSES:
             raise ValueError(f"Actor: unknown loss {loss!r} ({', '.join(LOSSES)})")
         self.spec, self.ctx = spec, ctx
-        self.loss_fn = LOSSES[loss]
+        self.loss_name, self.loss_fn = loss, LOSSES[loss]
         ref = copy.deepcopy(model) if spec.use_ref_model else None
         self.model = prepare_trainer_model(model, ctx, spec.shard).train()
         self.ref_model = None
@@ -96,14 +96,6 @@ class Actor:
         self.keep_logits_bytes = keep_logits_budget(ctx.device)
 
     # ------------------------------------------------------------------ planning
-
-    def reuses_old_log_probs(self, num_samples: int) -> bool:
-        """True when train_step takes old log-probs from its own forward (no separate pass needed)."""
-        one_step = self.spec.steps.num_optimizer_steps(num_samples) == 1
-        flag = self.spec.skip_actor_forward_only
-        if flag and not one_step:
-            raise ValueError("--skip-actor-forward-only: only exact with one optimizer step per rollout")
-        return one_step if flag is None else flag
 
     def _plan_ranks(self, lengths: list[int]) -> tuple[list[list[int]], list[list[list[int]]]]:
         """Rank split and, per rank, micro-batches as indices into `lengths` (same on every rank)."""
@@ -132,57 +124,32 @@ class Actor:
         spread = lambda x: torch.zeros(mb.num_tokens, dtype=x.dtype, device=x.device).index_copy(0, positions, x)  # noqa: E731
         return spread(logp), None if ent is None else spread(ent)
 
-    @torch.no_grad()
     def compute_log_probs(self, samples: list[TrainSample], which: str = "old") -> list[torch.Tensor]:
         """Response log-probs [R] (fp32, CPU) of every sample under the current ("old") or
-        reference ("ref") model. Each rank computes its token-balanced share; the results are
-        all-gathered so every rank returns all of them."""
+        reference ("ref") model, on every rank (no_grad_pass.gathered_forward)."""
         models = {"old": self.model, "ref": self.ref_model}
         model = models.get(which)
         if model is None:
             raise ValueError(f"compute_log_probs: no {which!r} model (ref needs --use-kl-loss)")
-        lengths = [s.num_tokens for s in samples]
-        split, plans = self._plan_ranks(lengths)
-        zero_w = [torch.zeros(s.num_response_tokens) for s in samples]
-        mine = plans[self.ctx.rank]
-        num_mb = max(len(p) for p in plans)
-        out: dict[int, torch.Tensor] = {}
-        for k in range(num_mb):
-            real = k < len(mine)
-            mb = pack_micro_batch(samples, zero_w, mine[k]) if real else padding_micro_batch(False, False)
-            slices = response_slices(mb, samples)  # from the host copy: no device sync
+
+        def forward(mb: MicroBatch, slices: list[tuple[int, int]]) -> torch.Tensor:
             positions = to_device(response_positions(slices), self.ctx.device)
-            logp, _ = self._log_probs(model, move_micro_batch(mb, self.ctx.device), positions, with_entropy=False)
-            for i, (s, e) in zip(mb.sample_indices, slices):
-                out[i] = logp[s:e]
-        # the root (and, without --fsdp-reshard-after-forward, every layer) stays gathered after a
-        # forward (fsdp.py) and only a backward would reshard it
-        reshard_all(model)
-        # every rank knows every rank's sample order and sizes: one gather of flat tensors
-        local = [out[i] for i in split[self.ctx.rank]]
-        flat = torch.cat(local) if local else torch.zeros(0, device=self.ctx.device)
-        sizes = [sum(samples[i].num_response_tokens for i in idx) for idx in split]
-        result: list[torch.Tensor] = [torch.empty(0)] * len(samples)
-        for idx, gathered in zip(split, all_gather_flat(flat, sizes)):
-            for i, part in zip(idx, gathered.split([samples[i].num_response_tokens for i in idx])):
-                result[i] = part.clone()
-        return result
+            return self._log_probs(model, mb, positions, with_entropy=False)[0]
+        return gathered_forward(model, samples, self._plan_ranks([s.num_tokens for s in samples]), self.ctx, forward)
 
     # ------------------------------------------------------------------ training
 
     def train_step(self, samples: list[TrainSample]) -> TrainMetrics:
-        """All optimizer steps for one rollout's samples (identical list on every rank)."""
+        """All optimizer steps for one rollout's samples (identical list on every rank). It only trains:
+        old and reference log-probs are on the samples already (run/step.py), old ones None meaning
+        the training forward's own, detached (exact with one optimizer step)."""
         if not samples:
             raise ValueError("train_step: no samples")
         t0 = time.perf_counter()
         chunks = self.spec.steps.step_chunks(len(samples))
-        reuse = self.reuses_old_log_probs(len(samples))
-        if not reuse and any(s.old_log_probs is None for s in samples):
-            old = self.compute_log_probs(samples, "old")
-            samples = [dataclasses.replace(s, old_log_probs=o) for s, o in zip(samples, old)]
-        if self.spec.loss.use_kl_loss and any(s.ref_log_probs is None for s in samples):
-            ref = self.compute_log_probs(samples, "ref")
-            samples = [dataclasses.replace(s, ref_log_probs=r) for s, r in zip(samples, ref)]
+        if self.loss_name == "rl" and len(chunks) > 1 and samples[0].old_log_probs is None:
+            raise ValueError("train_step: several optimizer steps per rollout need old log-probs from before the "
+                             "first (run/step.py: log_prob_passes)")
         steps = [self._optimizer_step([samples[i] for i in idx]) for idx in chunks]
         n = len(steps)
         finite = [st for st in steps if st.finite] or steps

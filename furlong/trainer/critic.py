@@ -3,7 +3,7 @@
 Per rollout, in miles' order (the critic before the actor):
   1. `compute_values(samples)`: V of every response token, [R] per sample, under the current
      critic (no grad; each rank its token-balanced share, then all-gathered), from which
-     GAE makes advantages and returns (train_samples.py);
+     GAE makes advantages and returns (run/step.py);
   2. `train_step(samples)`: the actor's optimizer steps per rollout (--global-batch-size /
      --num-steps-per-rollout), rank split, micro-batch plan and loss weights (--loss-agg-mode),
      so FSDP's summed gradients equal one big batch; the objective is value_loss.value_loss
@@ -25,8 +25,8 @@ import torch
 
 from furlong.models.value_model import ValueModel
 from furlong.trainer.batching import move_micro_batch, pack_micro_batch, padding_micro_batch, response_slices
-from furlong.launch.distributed import all_gather_flat
-from furlong.trainer.fsdp import micro_batch_sync, prepare_trainer_model, reshard_all
+from furlong.trainer.fsdp import micro_batch_sync, prepare_trainer_model
+from furlong.trainer.no_grad_pass import gathered_forward
 from furlong.trainer.optimizer import build_lr_scheduler, build_optimizer
 from furlong.trainer.optimizer_step import finish_step
 from furlong.trainer.metrics import CriticMetrics
@@ -62,35 +62,17 @@ class Critic:
         """Values [T] fp32 at every packed position of mb (already on the device)."""
         return self.model.forward_packed(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
 
-    @torch.no_grad()
     def compute_values(self, samples: list[TrainSample]) -> list[torch.Tensor]:
-        """Values [R] (fp32, CPU) of every sample's response tokens; every rank returns all of them."""
-        split, plans = self._plan(samples)
-        zero_w = [torch.zeros(s.num_response_tokens) for s in samples]
-        mine, num_mb = plans[self.ctx.rank], max(len(p) for p in plans)
-        out: dict[int, torch.Tensor] = {}
-        for k in range(num_mb):
-            # a rank short of micro-batches still runs one, to join every FSDP all-gather
-            mb = pack_micro_batch(samples, zero_w, mine[k]) if k < len(mine) else padding_micro_batch(False, False)
-            v = self._values(move_micro_batch(mb, self.ctx.device))
-            for i, (s, e) in zip(mb.sample_indices, response_slices(mb, samples)):
-                out[i] = v[s:e]
-        reshard_all(self.model)   # the root and layers stay gathered after a forward (fsdp.py)
-        local = [out[i] for i in split[self.ctx.rank]]
-        flat = torch.cat(local) if local else torch.zeros(0, device=self.ctx.device)
-        sizes = [sum(samples[i].num_response_tokens for i in idx) for idx in split]
-        result: list[torch.Tensor] = [torch.empty(0)] * len(samples)
-        for idx, gathered in zip(split, all_gather_flat(flat, sizes)):
-            for i, part in zip(idx, gathered.split([samples[i].num_response_tokens for i in idx])):
-                result[i] = part.float().clone()
-        return result
+        """Values [R] (fp32, CPU) of every sample's response tokens, on every rank (no_grad_pass)."""
+        return gathered_forward(self.model, samples, self._plan(samples), self.ctx,
+                                lambda mb, slices: self._values(mb))
 
     def train_step(self, samples: list[TrainSample]) -> CriticMetrics:
         """All optimizer steps of one rollout; samples carry `values` and `returns` (identical on every rank)."""
         if not samples:
             raise ValueError("Critic.train_step: no samples")
         if any(s.values is None or s.returns is None for s in samples):
-            raise ValueError("Critic.train_step: samples need values and returns (build_train_samples with a critic)")
+            raise ValueError("Critic.train_step: samples need values and returns (run/step.py: values, advantages)")
         t0 = time.perf_counter()
         steps = [self._optimizer_step([samples[i] for i in idx]) for idx in self.spec.steps.step_chunks(len(samples))]
         finite = [st for st in steps if math.isfinite(st.grad_norm)] or steps

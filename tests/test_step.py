@@ -1,24 +1,21 @@
-"""Kept groups -> trainer samples: each estimator and flag reaches the advantages and log-probs
-the loss sees (a fake actor supplies the log-prob passes)."""
+"""The step's stages from kept groups to trainer samples (run/step.py): each estimator and flag
+reaches the advantages and log-probs the loss sees (a fake actor supplies the log-prob passes)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from furlong.config import Config
-from furlong.run.specs import sample_spec
-from furlong.algorithms.advantages import AdvantageInputs, AdvantageParams, get_estimator, whiten
+from furlong.algorithms.advantages import AdvantageConfig, AdvantageInputs, get_estimator, whiten
 from furlong.algorithms.shaping import overlong_penalty
-from furlong.run.train_samples import build_train_samples
+from furlong.run import step
+from furlong.run.specs import step_settings
 from furlong.types import Group, Prompt, Sample
 
 
 class FakeActor:
-    def __init__(self, reuse: bool):
-        self.reuse, self.calls = reuse, []
-
-    def reuses_old_log_probs(self, num: int) -> bool:
-        return self.reuse
+    def __init__(self):
+        self.calls = []
 
     def compute_log_probs(self, samples, which: str):
         self.calls.append(which)
@@ -42,6 +39,18 @@ def groups(seed=0, num=3, n=4):
     return out
 
 
+def build_train_samples(gs, c: Config, actor, num_optimizer_steps: int = 1):
+    """The stages from rewards to advantages, in rl_step's order."""
+    settings, a = step_settings(c), c.algo
+    passes = step.log_prob_passes(a.use_rollout_logprobs, a.use_kl_loss, a.kl_coef, a.skip_actor_forward_only,
+                                  num_optimizer_steps)
+    samples, rewards = step.train_samples(gs, settings.shaping)
+    step.old_log_probs(samples, actor, passes.old)
+    step.ref_log_probs(samples, actor, passes.ref)
+    step.advantages(samples, rewards, settings.advantages)
+    return samples
+
+
 def cfg(**algo) -> Config:
     c = Config()
     c.rollout.rollout_max_response_len = 12
@@ -53,11 +62,11 @@ def cfg(**algo) -> Config:
 @pytest.mark.parametrize("name", ["grpo", "gspo", "rloo"])
 def test_scalar_estimators_reach_the_samples(name):
     gs = groups()
-    actor = FakeActor(reuse=True)
-    samples = build_train_samples(gs, sample_spec(cfg(advantage_estimator=name)), actor)
+    actor = FakeActor()
+    samples = build_train_samples(gs, cfg(advantage_estimator=name), actor)
     rewards = torch.tensor([grp.rewards for grp in gs])
     masks = [torch.ones(s.num_response_tokens) for s in samples]
-    want, _ = get_estimator(name)(AdvantageInputs(rewards, masks, None), AdvantageParams())
+    want, _ = get_estimator(name)(AdvantageInputs(rewards, masks, None), AdvantageConfig())
     for s, w in zip(samples, want):
         torch.testing.assert_close(s.advantages, w)
         assert s.old_log_probs is None and s.ref_log_probs is None     # reused from the training forward
@@ -66,14 +75,14 @@ def test_scalar_estimators_reach_the_samples(name):
 
 def test_reinforce_pp_kl_in_reward_needs_old_and_ref_and_is_whitened():
     gs = groups(1)
-    actor = FakeActor(reuse=True)
+    actor = FakeActor()
     c = cfg(advantage_estimator="reinforce_plus_plus", kl_coef=0.1, gamma=0.9)
-    samples = build_train_samples(gs, sample_spec(c), actor)
+    samples = build_train_samples(gs, c, actor)
     assert actor.calls == ["old", "ref"]                    # the reward's KL needs both before training
     kl = [s.old_log_probs - s.ref_log_probs for s in samples]   # k1 (the default --kl-loss-type)
     masks = [torch.ones(s.num_response_tokens) for s in samples]
     raw, _ = get_estimator("reinforce_plus_plus")(
-        AdvantageInputs(torch.tensor([grp.rewards for grp in gs]), masks, kl), AdvantageParams(kl_coef=0.1, gamma=0.9))
+        AdvantageInputs(torch.tensor([grp.rewards for grp in gs]), masks, kl), AdvantageConfig(kl_coef=0.1, gamma=0.9))
     for s, w in zip(samples, whiten(raw, masks, None)):
         torch.testing.assert_close(s.advantages, w)
     allv = torch.cat([s.advantages for s in samples])
@@ -82,21 +91,27 @@ def test_reinforce_pp_kl_in_reward_needs_old_and_ref_and_is_whitened():
 
 def test_flags_rollout_logprobs_overlong_normalize_and_raw_rewards():
     gs = groups(2)
-    actor = FakeActor(reuse=False)
-    samples = build_train_samples(gs, sample_spec(cfg(use_rollout_logprobs=True)), actor)
+    actor = FakeActor()
+    samples = build_train_samples(gs, cfg(use_rollout_logprobs=True), actor, num_optimizer_steps=2)
     assert actor.calls == [] and all(torch.equal(s.old_log_probs, s.rollout_log_probs) for s in samples)
 
     c = cfg(overlong_buffer_len=4, overlong_penalty_factor=2.0, disable_rewards_normalization=True)
-    samples = build_train_samples(gs, sample_spec(c), FakeActor(reuse=True))
+    samples = build_train_samples(gs, c, FakeActor())
     flat = [s for grp in gs for s in grp.samples]
     for s, smp in zip(samples, flat):
         want = smp.reward + overlong_penalty(len(smp.response_ids), 12, 4, 2.0)
         torch.testing.assert_close(s.advantages, torch.full((len(smp.response_ids),), want))
     assert any(len(smp.response_ids) > 8 for smp in flat)    # some responses were penalized
 
-    samples = build_train_samples(gs, sample_spec(cfg(normalize_advantages=True)), FakeActor(reuse=True))
+    samples = build_train_samples(gs, cfg(normalize_advantages=True), FakeActor())
     allv = torch.cat([s.advantages for s in samples])
     assert abs(allv.mean().item()) < 1e-5 and allv.std().item() == pytest.approx(1.0, rel=1e-3)
+
+
+def test_several_optimizer_steps_take_old_log_probs_from_a_forward():
+    actor = FakeActor()
+    samples = build_train_samples(groups(3), cfg(), actor, num_optimizer_steps=2)
+    assert actor.calls == ["old"] and all(s.old_log_probs is not None and s.ref_log_probs is None for s in samples)
 
 
 def test_overlong_penalty_formula():

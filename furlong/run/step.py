@@ -1,0 +1,198 @@
+"""One RL step as a list of stages (docs/design.md §2), each a line of `rl_step` with its own timer.
+
+    rollout          generate, reward and filter, streamed per group (run/rollout_step.py picks which
+                     rollout: engine requests, a custom generate or rollout function); perf/rollout_time
+    rewards          kept groups -> TrainSamples and shaped rewards [G, n] (DAPO's overlong penalty)
+    old_log_probs    from the engine, a no-grad trainer forward, or left to the training forward
+    ref_log_probs    the frozen reference model's, when a KL term needs them
+    values           the critic's (ppo)
+    advantages       the estimator of --advantage-estimator, then whitening (algorithms/advantages.py)
+    critic_train     ppo: the critic first, on the values GAE used (miles' order)
+    actor_train      except in the first --num-critic-only-steps rollouts
+    update_weights   the new weights into the engine, in place
+
+Each stage's wall time is logged as `perf/<stage>_time`; `perf/log_probs_time` is old + ref (the
+name miles' dashboards read). Eval, the metrics line and the checkpoint follow in loop.py.
+
+Which log-prob passes run is decided once per run (`log_prob_passes`), from the flags and the
+optimizer steps a rollout takes; the trainers only compute what they are asked for and train.
+Every rank holds the whole batch here, so batch statistics (whitening) are global without a collective.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Literal, TypeVar
+
+import torch
+
+from furlong.algorithms.advantages import AdvantageConfig, AdvantageInputs, compute_advantages
+from furlong.algorithms.losses import kl_penalty
+from furlong.algorithms.shaping import ShapingConfig, shaped_rewards
+from furlong.launch.failure import Position
+from furlong.rollout.rollout import RolloutBatch, RolloutSpec
+from furlong.run.rollout_step import rollout_step
+from furlong.trainer.metrics import TrainMetrics
+from furlong.trainer.weight_sync import sync_weights
+from furlong.types import Group, TrainSample
+
+if TYPE_CHECKING:
+    from furlong.run.setup import RunParts
+    from furlong.trainer.actor import Actor
+    from furlong.trainer.critic import Critic
+
+T = TypeVar("T")
+OldSource = Literal["engine", "forward", "training"]
+
+
+@dataclass(frozen=True)
+class LogProbPasses:
+    """Where a step's old and reference log-probs come from (decided once per run)."""
+    old: OldSource     # engine: the rollout's; forward: a no-grad trainer pass; training: the training forward's
+    ref: bool          # a reference-model pass (KL loss, or KL in the reward)
+
+
+def log_prob_passes(use_rollout_logprobs: bool, use_kl_loss: bool, kl_coef: float,
+                    skip_actor_forward_only: bool | None, num_optimizer_steps: int) -> LogProbPasses:
+    """The log-prob passes a step needs. Old log-probs come from the training forward only when that is
+    exact (one optimizer step per rollout: the policy has not moved yet) or --skip-actor-forward-only
+    says so, and not when the reward's KL penalty needs them before training (--kl-coef)."""
+    kl_in_reward = kl_coef > 0
+    reuse = num_optimizer_steps == 1 if skip_actor_forward_only is None else skip_actor_forward_only
+    if use_rollout_logprobs:
+        old: OldSource = "engine"
+    elif kl_in_reward or not reuse:
+        old = "forward"
+    else:
+        old = "training"
+    return LogProbPasses(old=old, ref=use_kl_loss or kl_in_reward)
+
+
+class StageClock:
+    """Wall-clock seconds of a step's stages: `clock.run("x", fn, ...)` records `perf/x_time`."""
+
+    def __init__(self, position: Position | None = None, rollout_id: int | None = None) -> None:
+        self.started = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+        self.position = position          # told each stage entered (a lost rank's line names it)
+        self.rollout_id = rollout_id
+
+    def where(self, name: str):
+        """Mark the stage for the failure report only (no timer)."""
+        return self.position.stage(name, self.rollout_id) if self.position is not None else nullcontext()
+
+    @contextmanager
+    def stage(self, name: str):
+        t = time.perf_counter()
+        try:
+            with self.where(name):
+                yield
+        finally:
+            key = f"perf/{name}_time"
+            self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t
+
+    def run(self, name: str, fn: Callable[..., T], *args) -> T:
+        with self.stage(name):
+            return fn(*args)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+
+# ------------------------------------------------------------------------------------------ stages
+
+def train_samples(groups: list[Group], shaping: ShapingConfig) -> tuple[list[TrainSample], torch.Tensor]:
+    """Kept groups -> TrainSamples (advantages still 0) and shaped rewards [G, n]. A multi-turn sample's
+    loss mask (0 on tool/environment tokens) goes with it: the loss weights, token counts, KL and entropy
+    terms all read it (trainer/batching.py, algorithms/losses.py)."""
+    samples = [TrainSample(token_ids=torch.tensor(s.prompt.token_ids + s.response_ids, dtype=torch.long),
+                           num_prompt_tokens=len(s.prompt.token_ids), advantages=torch.zeros(len(s.response_ids)),
+                           rollout_log_probs=torch.tensor(s.rollout_log_probs, dtype=torch.float32),
+                           loss_mask=None if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float32))
+               for g in groups for s in g.samples]
+    rewards = torch.tensor([[float(s.reward) for s in g.samples] for g in groups], dtype=torch.float32)
+    lens = [[len(s.response_ids) for s in g.samples] for g in groups]
+    return samples, shaped_rewards(rewards, lens, shaping)
+
+
+def old_log_probs(samples: list[TrainSample], actor: Actor, source: OldSource) -> None:
+    """Set each sample's old_log_probs [R] (left None for "training": the training forward's, detached)."""
+    if source == "engine":
+        for s in samples:
+            s.old_log_probs = s.rollout_log_probs
+    elif source == "forward":
+        for s, lp in zip(samples, actor.compute_log_probs(samples, "old")):
+            s.old_log_probs = lp
+
+
+def ref_log_probs(samples: list[TrainSample], actor: Actor, needed: bool) -> None:
+    """Set each sample's ref_log_probs [R] under the frozen reference model, when a KL term needs them."""
+    if needed:
+        for s, lp in zip(samples, actor.compute_log_probs(samples, "ref")):
+            s.ref_log_probs = lp
+
+
+def values(samples: list[TrainSample], critic: Critic) -> None:
+    """Set each sample's values [R] under the current critic (ppo)."""
+    for s, v in zip(samples, critic.compute_values(samples)):
+        s.values = v
+
+
+def advantages(samples: list[TrainSample], rewards: torch.Tensor, cfg: AdvantageConfig) -> None:
+    """Set advantages [R] (and, with values, the GAE returns [R] the critic trains on)."""
+    # tool/environment tokens (loss mask 0) take no part in whitening, returns or the KL penalty's sums
+    masks = [torch.ones(s.num_response_tokens) if s.loss_mask is None else s.loss_mask for s in samples]
+    kl = None
+    if cfg.kl_coef > 0:   # a KL penalty folded into the token rewards, from the old and reference log-probs
+        kl = [kl_penalty(s.old_log_probs, s.ref_log_probs, cfg.kl_type) for s in samples]
+    has_values = bool(samples) and samples[0].values is not None
+    vals = [s.values for s in samples] if has_values else None
+    adv, ret = compute_advantages(AdvantageInputs(rewards=rewards, response_masks=masks, kl=kl, values=vals), cfg)
+    for s, a, r in zip(samples, adv, ret):
+        s.advantages = a
+        if has_values:
+            s.returns = r
+
+
+# ------------------------------------------------------------------------------------------ the step
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What the stages read besides the components (made once per run from the flags)."""
+    rollout: RolloutSpec
+    shaping: ShapingConfig
+    advantages: AdvantageConfig
+    passes: LogProbPasses
+    num_critic_only_steps: int       # ppo: the first rollouts train only the critic
+    update_weight_buffer_size: int   # bytes per weight-sync bucket
+
+
+@dataclass
+class StepOutput:
+    batch: RolloutBatch
+    samples: list[TrainSample]
+    metrics: dict[str, float]        # rollout/*, critic/*, train/* (perf/* are the clock's)
+    train: TrainMetrics | None       # the actor's step (None in a critic-only warm-up rollout)
+
+
+def rl_step(parts: RunParts, cfg: StepSettings, rollout_id: int, clock: StageClock) -> StepOutput:
+    """Rollout `rollout_id` through the weight sync, stage by stage (module docstring)."""
+    actor, critic = parts.actor, parts.critic
+    with clock.where("rollout"):
+        batch = rollout_step(parts, cfg.rollout, rollout_id)         # timed by its own clock: perf/rollout_time
+    samples, rewards = clock.run("rewards", train_samples, batch.groups, cfg.shaping)
+    clock.run("old_log_probs", old_log_probs, samples, actor, cfg.passes.old)
+    clock.run("ref_log_probs", ref_log_probs, samples, actor, cfg.passes.ref)
+    if critic is not None:
+        clock.run("values", values, samples, critic)
+    clock.run("advantages", advantages, samples, rewards, cfg.advantages)
+    metrics = batch.metrics.as_log()
+    if critic is not None:
+        metrics.update(clock.run("critic_train", critic.train_step, samples).to_log())
+    train = None
+    if rollout_id >= cfg.num_critic_only_steps:   # --num-critic-only-steps: the actor stays frozen until then
+        train = clock.run("actor_train", actor.train_step, samples)
+        clock.run("update_weights", sync_weights, actor.model, parts.engine.model, cfg.update_weight_buffer_size)
+        metrics.update(train.to_log())
+    return StepOutput(batch=batch, samples=samples, metrics=metrics, train=train)

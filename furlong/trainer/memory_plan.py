@@ -1,0 +1,137 @@
+"""The trainer's memory plan: token budget and recompute, decided from measured memory before step 1.
+
+A user who swaps a bigger checkpoint into a working command line should get a run, not an
+out-of-memory traceback in the first step. The memory probe (memory_probe.py) runs two training
+micro-batches in each recompute mode (--gradient-checkpointing off and on) and records their
+peak memory and time; this module decides, as pure arithmetic (tested on CPU):
+
+  peak(mode, B)  = fixed(mode) + per_token(mode) * B        (two points per mode; affine)
+  fits(mode, B) <=> peak(mode, B) <= total * (1 - safety) - reserved
+  cost(mode, B)  = seconds per trained token at budget B: (a + b * B) / B, a and b from the
+                   two timed probes (a micro-batch's fixed cost - launches, the LM head's
+                   chunk loop, FSDP gathers - shrinks per token as B grows)
+
+Given --max-tokens-per-gpu B:
+  * fits without recompute (or recompute was asked for and fits): B as given, no line;
+  * otherwise the faster of (recompute on, B) and (recompute as asked, the largest budget
+    that fits), among those that fit and hold the longest sample; one line says which and why;
+  * nothing fits: MemoryPlanError naming the flags that would help.
+With `auto`: the faster of (no recompute, largest budget that fits) and (recompute, largest
+budget that fits); --gradient-checkpointing given by the user is kept on.
+
+Deviation from a full memory model: fragmentation is not modelled (the safety margin is meant
+to absorb it), and cost ignores attention's quadratic term (the probes pack one sample).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GRANULE = 1024          # budgets are multiples of this many tokens
+SAFETY_FRACTION = 0.15  # of total device memory kept free for fragmentation and the allocator
+
+
+class MemoryPlanError(ValueError):
+    """No budget fits: the message names the flags to change (the CLI prints it as one line)."""
+
+
+@dataclass
+class ModeProbe:
+    """Two probe micro-batches in one recompute mode."""
+    recompute: bool
+    num_tokens: tuple[int, int]     # tokens of the small and the large probe
+    peak_bytes: tuple[int, int]     # max_memory_allocated while each ran
+    seconds: tuple[float, float]    # forward + backward time of each (after a warm-up run)
+
+    def per_token_bytes(self) -> float:
+        (n0, n1), (p0, p1) = self.num_tokens, self.peak_bytes
+        return max((p1 - p0) / (n1 - n0), 1.0)   # a non-positive slope is noise: >= 1 byte per token
+
+    def peak(self, tokens: int, pending_bytes: int) -> float:
+        return self.peak_bytes[0] + self.per_token_bytes() * (tokens - self.num_tokens[0]) + pending_bytes
+
+    def seconds_per_token(self, tokens: int) -> float:
+        (n0, n1), (t0, t1) = self.num_tokens, self.seconds
+        slope = max((t1 - t0) / (n1 - n0), 0.0)
+        intercept = max(t0 - slope * n0, 0.0)
+        return (intercept + slope * tokens) / tokens
+
+
+@dataclass
+class MemoryPlan:
+    max_tokens_per_gpu: int          # the micro-batch token budget the planner packs to
+    gradient_checkpointing: bool     # recompute decoder layers in backward
+    predicted_peak_bytes: int        # of this plan
+    note: str | None                 # one line when the plan differs from what was asked, else None
+
+
+@dataclass
+class MemoryBudget:
+    total_bytes: int                 # device memory
+    reserved_bytes: int              # held outside the trainer during training (the engine's weights)
+    pending_bytes: int               # trainer state not yet allocated at probe time (AdamW moments, kept logits)
+    safety_fraction: float = SAFETY_FRACTION
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.total_bytes * (1.0 - self.safety_fraction) - self.reserved_bytes
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:.1f} GiB"
+
+
+def largest_fit(probe: ModeProbe, budget: MemoryBudget, granule: int = GRANULE) -> int:
+    """Largest multiple of `granule` tokens whose predicted peak fits (0 when none does)."""
+    room = budget.usable_bytes - probe.peak(0, budget.pending_bytes)
+    return max(int(room // probe.per_token_bytes()) // granule * granule, 0)
+
+
+def plan_memory(probes: dict[bool, ModeProbe], budget: MemoryBudget, requested_tokens: int | None,
+                requested_recompute: bool, min_tokens: int, granule: int = GRANULE) -> MemoryPlan:
+    """The plan for --max-tokens-per-gpu `requested_tokens` (None: auto) and --gradient-checkpointing.
+
+    probes: {False: no recompute, True: recompute}; min_tokens: the longest sample a micro-batch
+    must hold (prompt + response), so no budget below it is ever chosen.
+    """
+    def candidate(recompute: bool, tokens: int) -> tuple[float, MemoryPlan]:
+        p = probes[recompute]
+        plan = MemoryPlan(tokens, recompute, int(p.peak(tokens, budget.pending_bytes)), None)
+        return p.seconds_per_token(tokens), plan
+
+    def fits(recompute: bool, tokens: int) -> bool:
+        return tokens >= min_tokens and probes[recompute].peak(tokens, budget.pending_bytes) <= budget.usable_bytes
+
+    modes = [True] if requested_recompute else [False, True]
+    if requested_tokens is not None and fits(requested_recompute, requested_tokens):
+        return candidate(requested_recompute, requested_tokens)[1]
+    options = []
+    for recompute in modes:
+        if requested_tokens is not None and fits(recompute, requested_tokens):
+            options.append(candidate(recompute, requested_tokens))
+        best = largest_fit(probes[recompute], budget, granule)
+        if requested_tokens is not None:
+            best = min(best, requested_tokens)
+        if fits(recompute, best):
+            options.append(candidate(recompute, best))
+    if not options:
+        need = probes[modes[-1]].peak(max(min_tokens, granule), budget.pending_bytes)
+        raise MemoryPlanError(
+            f"--max-tokens-per-gpu: even a {max(min_tokens, granule)}-token micro-batch (the longest sample) with "
+            f"recompute needs {_gib(need)} of {_gib(budget.usable_bytes)} usable; use --fsdp-cpu-offload or "
+            "--lora-rank, more GPUs, or a smaller --rollout-max-response-len")
+    _, plan = min(options, key=lambda o: o[0])
+    if requested_tokens is None:
+        plan.note = (f"--max-tokens-per-gpu auto: {plan.max_tokens_per_gpu} tokens, recompute "
+                     f"{'on' if plan.gradient_checkpointing else 'off'} (predicted peak {_gib(plan.predicted_peak_bytes)}"
+                     f" of {_gib(budget.usable_bytes)} usable; the faster per token of the two modes)")
+        return plan
+    asked = probes[requested_recompute].peak(requested_tokens, budget.pending_bytes)
+    change = []
+    if plan.gradient_checkpointing != requested_recompute:
+        change.append("turned --gradient-checkpointing on")
+    if plan.max_tokens_per_gpu != requested_tokens:
+        change.append(f"lowered --max-tokens-per-gpu to {plan.max_tokens_per_gpu}")
+    plan.note = (f"memory: {' and '.join(change)}: {requested_tokens} tokens per micro-batch would need "
+                 f"{_gib(asked)} of {_gib(budget.usable_bytes)} usable; this plan needs "
+                 f"{_gib(plan.predicted_peak_bytes)} (the faster per token of the plans that fit)")
+    return plan

@@ -1,0 +1,151 @@
+"""The fp8 KV kernels against the dequantised references (CUDA; or the CPU under TRITON_INTERPRET=1,
+with smaller shapes: test_kv_fp8.py runs this file so when triton is installed).
+
+store_kv quantises bit for bit as kv_fp8.quantize; the decode kernel and its cascade programs read
+fp8 K/V with their per-token scales as the references read the dequantised cache, at several split
+counts; on CUDA also the engine-vs-trainer log-prob gap with bf16 and fp8 KV side by side."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET),
+                                                  reason="needs CUDA (or TRITON_INTERPRET=1)")]
+# (rows, Hq, Hkv, D, page, pages, longest context): Qwen3-0.6B's heads on CUDA, small under the interpreter;
+# rows >= 12: the kernel reads rows // group_splits groups, the cascade test has two at group_splits 6
+SHAPE = (12, 4, 2, 32, 16, 60, 200) if INTERPRET else (13, 16, 8, 128, 64, 400, 2000)
+DTYPES = [torch.float32] if INTERPRET else [torch.bfloat16, torch.float32]
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def fp8_cache(pages, hkv, page, d, g, layers=2):
+    """A layer's strided fp8 views (as the engine lays them out) filled through store_kv with rows of
+    very different scales; -> keys, values, key_scales, value_scales."""
+    from furlong.engine.kernels import store_kv
+    from furlong.engine.kv_cache import KVLayout
+    from furlong.engine.kv_fp8 import FP8
+    lay = KVLayout(layers, hkv, page, d, FP8, scaled=True)
+    (k8, ks), (v8, vs) = (lay.views(torch.zeros(pages * lay.page_bytes, dtype=torch.uint8, device=DEV), pages)
+                          for _ in range(2))
+    k8, ks, v8, vs = k8[:, 1], ks[:, 1], v8[:, 1], vs[:, 1]
+    slots = torch.arange(page, pages * page, device=DEV)                 # every slot but the scratch page's
+    n = len(slots)
+    mag = torch.logspace(-3, 2, n, device=DEV)[torch.randperm(n, device=DEV, generator=g)]
+    k = torch.randn(n, hkv, d, device=DEV, generator=g) * mag[:, None, None]
+    v = torch.randn(n, hkv, d, device=DEV, generator=g) * mag.flip(0)[:, None, None]
+    store_kv(k8, v8, slots // page, slots % page, k, v, ks, vs)
+    return k8, v8, ks, vs
+
+
+def test_store_kv_fp8_quantises_as_the_reference():
+    from furlong.engine.kernels import store_kv
+    from furlong.engine.kv_cache import KVLayout
+    from furlong.engine.kv_fp8 import FP8, quantize
+    g = torch.Generator(device=DEV).manual_seed(3)
+    rows, hq, hkv, d, page, pages, _ = SHAPE
+    lay = KVLayout(3, hkv, page, d, FP8, scaled=True)
+    (k8, ks), (v8, vs) = (lay.views(torch.zeros(pages * lay.page_bytes, dtype=torch.uint8, device=DEV), pages)
+                          for _ in range(2))
+    k8, ks, v8, vs = k8[:, 2], ks[:, 2], v8[:, 2], vs[:, 2]
+    n = 37
+    slot = torch.randperm((pages - 1) * page, device=DEV, generator=g)[:n] + page       # distinct slots
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, device=DEV, generator=g) * 3                  # strided like the engine
+    qkv[:, hq * d:] *= torch.logspace(-4, 3, n, device=DEV)[:, None]
+    qkv[0, hq * d:(hq + 1) * d] = 0                                                         # an all-zero k row
+    qkv[1, hq * d:hq * d + 4] = torch.tensor([448.0, 1.0625, -2.125, 0.0])                  # exact ties
+    k, v = qkv[:, hq * d:(hq + hkv) * d].view(n, hkv, d), qkv[:, (hq + hkv) * d:].view(n, hkv, d)
+    store_kv(k8, v8, slot // page, slot % page, k, v, ks, vs)
+    for data, scales, x in ((k8, ks, k), (v8, vs, v)):
+        q, s = quantize(x)
+        assert torch.equal(scales[slot // page, :, slot % page], s)
+        assert torch.equal(data[slot // page, :, slot % page].view(torch.uint8), q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_paged_decode_attention_fp8_matches_dequantised_reference(dtype, num_splits):
+    from furlong.engine.kernels import paged_decode_attention
+    from furlong.engine.kv_cache import decode_attention_reference
+    g = torch.Generator(device=DEV).manual_seed(num_splits)
+    rows, hq, hkv, d, page, pages, longest = SHAPE
+    keys, values, ks, vs = fp8_cache(pages, hkv, page, d, g)
+    lens = torch.tensor([0, 1, 5, page - 1, page, page + 1, 2 * page + 3, longest // 2, longest][:rows]
+                        + [3] * max(0, rows - 9), dtype=torch.int32, device=DEV)
+    width = -(-longest // page)
+    tables = torch.randint(1, pages, (rows, width), device=DEV, generator=g, dtype=torch.int32)
+    q = torch.randn(rows, hq, d, device=DEV, generator=g).to(dtype)
+    out = paged_decode_attention(q, keys, values, tables, lens, num_splits, key_scales=ks, value_scales=vs)
+    ref = decode_attention_reference(q.double(), keys, values, tables, lens, ks, vs)
+    assert torch.isfinite(out).all() and out[0].abs().max() == 0
+    assert rel_err(out, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits,group_splits", [(1, 1), (3, 4), (8, 2), (1, 6)])
+def test_cascade_decode_attention_fp8_matches_dequantised_reference(dtype, num_splits, group_splits):
+    from furlong.engine.cascade import PrefixGroups, cascade_attention_reference, cascade_members
+    from furlong.engine.kernels import paged_decode_attention
+    g = torch.Generator(device=DEV).manual_seed(10 + num_splits)
+    rows, hq, hkv, d, page, pages, longest = SHAPE
+    keys, values, ks, vs = fp8_cache(pages, hkv, page, d, g)
+    prefix = (page + page // 2, 2 * page + 2)                      # a page and a partial one; two pages and a bit
+    lens = torch.tensor([0, prefix[0] + 1, prefix[0] + 10, prefix[0] + 3 * page, longest, prefix[1] + 1,
+                         prefix[1] + page, 5, prefix[1] + 40][:rows] + [7] * max(0, rows - 9),
+                        dtype=torch.int32, device=DEV)
+    width = -(-longest // page)
+    tables = torch.randint(1, pages, (rows, width), device=DEV, generator=g, dtype=torch.int32)
+    members = cascade_members(hq, hkv)
+    group_rows = torch.full((rows, members), -1, dtype=torch.int32, device=DEV)
+    group_rows[0, :3] = torch.tensor([1, 2, 3])
+    group_rows[1, :2] = torch.tensor([8, 5])                       # first member the longer row
+    group_prefix = torch.zeros(rows, dtype=torch.int32, device=DEV)
+    group_prefix[:2] = torch.tensor(prefix)
+    prefix_lens = torch.zeros(rows, dtype=torch.int32, device=DEV)
+    prefix_lens[[1, 2, 3]] = prefix[0]
+    prefix_lens[[5, 8]] = prefix[1]
+    groups = PrefixGroups(prefix_lens, group_rows, group_prefix)
+    q = torch.randn(rows, hq, d, device=DEV, generator=g).to(dtype)
+    out = paged_decode_attention(q, keys, values, tables, lens, num_splits, prefix=groups, group_splits=group_splits,
+                                 key_scales=ks, value_scales=vs)
+    ref = cascade_attention_reference(q.double(), keys, values, tables, lens, groups, ks, vs)
+    assert torch.isfinite(out).all() and out[0].abs().max() == 0
+    assert rel_err(out, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the whole engine on CUDA")
+@torch.inference_mode()
+def test_engine_vs_trainer_log_prob_gap_bf16_and_fp8_kv():
+    """The same sampled rollout setting with bf16 and fp8 KV: each engine's log-probs of its own tokens
+    against the trainer's packed forward; fp8 may widen the gap, within a bound."""
+    from furlong.engine import Engine, EngineConfig, Request, SamplingParams
+    from furlong.train.logprobs import chunked_log_probs
+    from test_engine_gpu import NullTok, small_model
+    model = small_model(torch.bfloat16, layers=4, std=0.02, embed_std=0.1)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in (20, 90, 300)]
+    gaps = {}
+    for kv in ("bf16", "fp8_e4m3"):
+        eng = Engine(model, NullTok(), [], EngineConfig(max_model_len=800, max_num_seqs=32, kv_dtype=kv))
+        out = eng.generate([Request(i, p, SamplingParams(temperature=1.0, max_new_tokens=300, ignore_eos=True),
+                                    n=4, seed=i) for i, p in enumerate(prompts)])
+        assert eng.stats.num_grouped_rows > 0            # the 300-token prompt's group read through cascade
+        eng.release()
+        diffs = []
+        for p, comps in zip(prompts, out):
+            for c in comps:
+                ids = torch.tensor(p + c.token_ids, device="cuda")
+                cu = torch.tensor([0, len(ids)], dtype=torch.int32, device="cuda")
+                hidden = model.forward_packed(ids, torch.arange(len(ids), device="cuda"), cu, len(ids))
+                lp = chunked_log_probs(hidden[len(p) - 1:-1], model.output_weight, ids[len(p):], 1.0, compiled=False)
+                lp = lp[0] if isinstance(lp, tuple) else lp
+                diffs.append((lp.float() - torch.tensor(c.log_probs, device="cuda")).abs())
+        gaps[kv] = torch.cat(diffs).mean().item()
+    print(f"engine-vs-trainer mean |log-prob gap|: bf16 KV {gaps['bf16']:.5f}, fp8 KV {gaps['fp8_e4m3']:.5f}")
+    assert gaps["bf16"] <= 0.01 and gaps["fp8_e4m3"] <= 0.05
