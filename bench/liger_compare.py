@@ -8,7 +8,7 @@ On the seed step's first micro-batch (its samples in order up to 32768 tokens, Q
           which takes a padded [B, T_resp_max] batch. Median ms of 5, peak memory, and the two
           losses' and gradients' largest differences.
   layer   one decoder layer, forward and backward over the micro-batch: furlong's compiled layer
-          (train/fsdp.py: compile_layers) against the same weights run eagerly with liger's RMSNorm,
+          (trainer/fsdp.py: compile_layers) against the same weights run eagerly with liger's RMSNorm,
           RoPE and SwiGLU kernels around the same projections and flash attention.
 
     python3 bench/liger_compare.py [--parts lmhead,layer] [--out DIR]   -> DIR/liger_compare.json

@@ -14,7 +14,7 @@ profiler's own host cost inflates that step's idle time: read the idle figure fr
 --old puts levers of the train step back to what they replaced, to measure each one side by side:
   keep_logits  recompute every LM-head chunk's logits in backward (logprobs.py)
   addmm        accumulate the LM-head weight gradient with a separate fp32 add per chunk
-Host lead: each timed step also records when the host reaches the optimizer step (finish_step, the
+Host lead: each timed step also records when the host reaches the optimizer step (Trainer._finish, the
 step's one sync) and when the GPU gets there: `host_s` is the host's time to queue the micro-batches'
 forward and backward work, `gpu_s` the GPU's time to finish it; host_s < gpu_s means the GPU never
 waited for the host over the whole step (it may still have in places), and the gap is the margin a
@@ -131,19 +131,19 @@ def find_syncs(step) -> list[str]:
 
 
 class HostLead:
-    """Wraps actor.finish_step to note (host seconds, CUDA event) when the host gets there."""
+    """Wraps the trainers' Trainer._finish to note (host seconds, CUDA event) when the host gets there."""
 
     def __init__(self):
-        from furlong.trainer import actor as actor_module
-        self.module, self.inner = actor_module, actor_module.finish_step
+        from furlong.trainer.base import Trainer
+        inner = Trainer._finish
         self.marks: list[tuple[float, torch.cuda.Event]] = []
-        actor_module.finish_step = self
 
-    def __call__(self, *args, **kwargs):
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        self.marks.append((time.perf_counter(), ev))
-        return self.inner(*args, **kwargs)
+        def finish(trainer, *args, **kwargs):
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append((time.perf_counter(), ev))
+            return inner(trainer, *args, **kwargs)
+        Trainer._finish = finish
 
     def timed_step(self, fn) -> tuple[object, float, float, float]:
         """(fn's result, step s, host s to the optimizer step, GPU s to it) of one call of fn (one
@@ -192,24 +192,24 @@ def main() -> None:
         return cfg
     b.config = config
     actor, samples, dev = b.actor(), b.train_samples(), b.device
-    actor.max_tokens_per_gpu = a.budget
+    steps = dataclasses.replace(b.steps(), max_tokens_per_gpu=a.budget)
     for name in olds:
         OLD[name](actor)
     num_tokens = sum(s.num_tokens for s in samples)
     lead = HostLead()
-    actor.train_step(samples)                                       # warm-up: compiles
+    actor.train_step(samples, steps)                                       # warm-up: compiles
     if a.skip_guard_eval:
         torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
     runs = []
     reset_peak(dev)
     for _ in range(3):
-        runs.append(lead.timed_step(lambda: actor.train_step(samples)))
+        runs.append(lead.timed_step(lambda: actor.train_step(samples, steps)))
     tm, times = runs[-1][0], [r[1] for r in runs]
     peak = peak_gib(dev)
     step_s = statistics.median(times)
     if a.find_syncs:
         Path(a.out).mkdir(parents=True, exist_ok=True)
-        syncs = find_syncs(lambda: actor.train_step(samples))
+        syncs = find_syncs(lambda: actor.train_step(samples, steps))
         (Path(a.out) / f"profile_train_{a.label}_syncs.txt").write_text("\n\n".join(syncs) or "none\n")
         print(f"[profile_train] {len(syncs)} synchronizing call site(s)", flush=True)
     activities = [torch.profiler.ProfilerActivity.CUDA]
@@ -218,7 +218,7 @@ def main() -> None:
     with torch.profiler.profile(activities=activities, record_shapes=a.host, with_stack=a.host) as prof:
         torch.cuda.synchronize()
         t = time.perf_counter()
-        actor.train_step(samples)
+        actor.train_step(samples, steps)
         torch.cuda.synchronize()
         prof_wall = time.perf_counter() - t
     per_kind: dict[str, float] = defaultdict(float)

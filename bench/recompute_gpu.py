@@ -8,6 +8,7 @@ The same step without recompute at 32768 is the bench's `train` part (BENCHMARKS
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -28,10 +29,10 @@ def main() -> None:
     num_tokens = sum(s.num_tokens for s in samples)
     rows = []
     for budget in [int(x) for x in a.budgets.split(",")]:
-        actor.max_tokens_per_gpu = budget
-        actor.train_step(samples)                                    # warm-up (compiles at the first size)
+        steps = dataclasses.replace(b.steps(), max_tokens_per_gpu=budget)
+        actor.train_step(samples, steps)                             # warm-up (compiles at the first size)
         reset_peak(b.device)
-        tm, secs = timed(lambda: actor.train_step(samples), b.device)
+        tm, secs = timed(lambda: actor.train_step(samples, steps), b.device)
         rows.append({"max_tokens_per_gpu": budget, "num_micro_batches": tm.num_micro_batches, "seconds": secs,
                      "tok_per_s": rate(num_tokens, secs), "peak_gib": peak_gib(b.device), "loss": tm.loss})
         print(json.dumps(rows[-1]), flush=True)

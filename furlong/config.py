@@ -1,9 +1,13 @@
 """Every flag of `furlong train/sft/eval`, defined once.
 
-Each dataclass field is one flag: `hf_checkpoint` is `--hf-checkpoint`. The
-CLI (cli.py) is generated from these classes; config_checks.validate checks the
-values and raises ValueError whose message starts with the offending flag, which
-the CLI prints as one line before exiting with code 2. Names and meanings follow miles (docs/design.md §1).
+Each dataclass field is one flag: `hf_checkpoint` is `--hf-checkpoint`; miles' and SGLang's other
+names for a flag are its `aliases` (this file is the one place they are declared). The CLI (cli.py)
+is generated from these classes; config_checks.validate checks the values and raises ValueError
+whose message starts with the offending flag, which the CLI prints as one line before exiting with
+code 2. Names and meanings follow miles (docs/design.md §1), so the groups (`*Flags`) are miles'
+grouping, not the components': config_map.py maps the flags onto each component's own config, with
+every fallback (a flag defaulting to another's value) resolved there. `OptimConfig` is both: the
+optimizer's config is exactly its flag group.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ def flag(default: Any = None, help: str = "", **meta: Any) -> Any:
 
 
 @dataclass
-class DataConfig:
+class DataFlags:
     hf_checkpoint: str | None = flag(None, "HF checkpoint directory (config.json, safetensors, tokenizer)")
     prompt_data: str | None = flag(None, "training prompts: .parquet or .jsonl, optional @[a:b] row slice")
     input_key: str = flag("input", "column holding the prompt (string or chat messages)")
@@ -40,7 +44,7 @@ class DataConfig:
 
 
 @dataclass
-class RewardConfig:
+class RewardFlags:
     rm_type: str | None = flag(None, "built-in reward: math | deepscaler | dapo")
     custom_rm_path: str | None = flag(None, "module.function computing a sample's reward (wins over --rm-type)")
     reward_timeout: float = flag(600.0, "seconds one reward call may take before the run stops")
@@ -48,7 +52,7 @@ class RewardConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutFlags:
     num_rollout: int = flag(1, "number of rollout/train steps")
     rollout_batch_size: int = flag(8, "prompt groups kept per rollout")
     n_samples_per_prompt: int = flag(1, "responses generated per prompt")
@@ -84,7 +88,7 @@ class RolloutConfig:
 
 
 @dataclass
-class EvalConfig:
+class EvalFlags:
     eval_interval: int | None = flag(None, "evaluate every K rollouts")
     eval_prompt_data: list[str] = flag([], "eval sets as name path [name path ...]", nargs="+")
     n_samples_per_eval_prompt: int = flag(1, "samples per eval prompt")
@@ -98,7 +102,7 @@ class EvalConfig:
 
 
 @dataclass
-class AlgoConfig:
+class AlgoFlags:
     advantage_estimator: str = flag("grpo", "grpo | gspo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | "
                                    "ppo (GAE with a critic)")
     disable_grpo_std_normalization: bool = flag(False, "GRPO: only subtract the group mean")
@@ -126,7 +130,7 @@ class AlgoConfig:
     use_rollout_logprobs: bool = flag(False, "old log-probs from the engine (no trainer forward for them)")
     calculate_per_token_loss: bool = flag(False, "average the loss over all response tokens of the step")
     skip_actor_forward_only: bool | None = flag(None, "reuse training log-probs as old log-probs (default: when exact)")
-    # the critic of --advantage-estimator ppo (miles' names; train/critic.py)
+    # the critic of --advantage-estimator ppo (miles' names; trainer/critic.py)
     value_clip: float = flag(0.2, "ppo: clip of the critic's values around their pre-update values")
     critic_hf_checkpoint: str | None = flag(None, "ppo: HF checkpoint the critic starts from (default: --hf-checkpoint)")
     critic_lr: float | None = flag(None, "ppo: critic learning rate (default: --lr)")
@@ -154,7 +158,7 @@ class OptimConfig:
 
 
 @dataclass
-class BatchConfig:
+class BatchFlags:
     global_batch_size: int | None = flag(None, "samples per optimizer step (default: all kept samples)")
     num_steps_per_rollout: int | None = flag(None, "optimizer steps per rollout (overrides the global batch size)")
     micro_batch_size: int = flag(1, "samples per micro-batch without dynamic batching")
@@ -165,7 +169,7 @@ class BatchConfig:
 
 
 @dataclass
-class ParallelConfig:
+class ParallelFlags:
     actor_num_nodes: int = flag(1, "nodes (beyond 1: launch with torchrun)")
     actor_num_gpus_per_node: int = flag(1, "worker processes started on this node")
     colocate: bool = flag(False, "engine and trainer share the GPUs (the built-in engine always does)")
@@ -173,6 +177,9 @@ class ParallelConfig:
     device: str = flag("auto", "auto | cpu | cuda")
     dtype: str = flag("auto", "compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32")
     torch_compile: str = flag("auto", "compile the trainer's decoder layers and log-prob kernels: auto (on CUDA) | on | off")
+    fsdp_cpu_offload: bool = flag(False, "fp32 master weights, gradients and AdamW state in CPU memory (FSDP2 CPU "
+                                  "offload): trains models whose optimizer state does not fit the GPU; the "
+                                  "optimizer step runs on the CPU")
     fsdp_reshard_after_forward: bool = flag(
         False, "free each layer's gathered weights after its forward and re-gather them in backward and for "
                "every micro-batch (saves one compute-dtype copy of the model per rank; slower)")
@@ -185,7 +192,7 @@ class ParallelConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointFlags:
     save: str | None = flag(None, "checkpoint directory")
     save_interval: int | None = flag(None, "save every K rollouts")
     load: str | None = flag(None, "resume from this checkpoint directory")
@@ -194,7 +201,7 @@ class CheckpointConfig:
 
 
 @dataclass
-class LogConfig:
+class LogFlags:
     output_dir: str | None = flag(None, "run directory (default runs/<date-time>)")
     overwrite: bool = flag(False, "reuse an --output-dir that already holds a run (its files are replaced)")
     use_tensorboard: bool = flag(False, "write TensorBoard events")
@@ -211,76 +218,29 @@ class LogConfig:
 
 
 @dataclass
-class SftConfig:
+class SftFlags:
     num_epoch: int = flag(1, "SFT: passes over the data")
     sft_max_len: int = flag(2048, "SFT: truncate samples to this many tokens")
 
 
-ROLLOUT_SEED_OFFSET = 42 - 1234   # miles' default --rollout-seed minus its default --seed
-
-
-@dataclass(frozen=True)
-class EvalSampling:
-    """The eval flags after their fallbacks to the rollout's (Config.eval_sampling)."""
-    temperature: float
-    top_p: float
-    top_k: int                # -1: off
-    max_new_tokens: int
-
-
 @dataclass
 class Config:
-    data: DataConfig = field(default_factory=DataConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    data: DataFlags = field(default_factory=DataFlags)
+    reward: RewardFlags = field(default_factory=RewardFlags)
+    rollout: RolloutFlags = field(default_factory=RolloutFlags)
+    eval: EvalFlags = field(default_factory=EvalFlags)
+    algo: AlgoFlags = field(default_factory=AlgoFlags)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    batch: BatchConfig = field(default_factory=BatchConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-    sft: SftConfig = field(default_factory=SftConfig)
+    batch: BatchFlags = field(default_factory=BatchFlags)
+    parallel: ParallelFlags = field(default_factory=ParallelFlags)
+    ckpt: CheckpointFlags = field(default_factory=CheckpointFlags)
+    log: LogFlags = field(default_factory=LogFlags)
+    sft: SftFlags = field(default_factory=SftFlags)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    @property
-    def max_tokens_per_gpu_is_auto(self) -> bool:
-        return self.batch.max_tokens_per_gpu == "auto"
-
-    @property
-    def max_tokens_per_gpu(self) -> int | None:
-        v = self.batch.max_tokens_per_gpu
-        return None if v in (None, "auto") else int(v)
-
-    @property
-    def eps_clip_high(self) -> float:
-        return self.algo.eps_clip if self.algo.eps_clip_high is None else self.algo.eps_clip_high
-
-    @property
-    def over_sampling_batch_size(self) -> int:
-        o = self.rollout.over_sampling_batch_size
-        return self.rollout.rollout_batch_size if o is None else o
-
-    @property
-    def rollout_seed(self) -> int:
-        """--rollout-seed, else derived from --seed (so --seed alone decides every draw): offset so that
-        miles' two defaults coincide (--seed 1234 gives --rollout-seed 42, miles' default)."""
-        if self.data.rollout_seed is not None:
-            return self.data.rollout_seed
-        return (self.parallel.seed + ROLLOUT_SEED_OFFSET) % 2**63   # non-negative, as a flag value must be
-
-    def eval_sampling(self) -> EvalSampling:
-        """Eval sampling settings, each falling back to the rollout's."""
-        r, e = self.rollout, self.eval
-        return EvalSampling(
-            temperature=r.rollout_temperature if e.eval_temperature is None else e.eval_temperature,
-            top_p=r.rollout_top_p if e.eval_top_p is None else e.eval_top_p,
-            top_k=r.rollout_top_k if e.eval_top_k is None else e.eval_top_k,
-            max_new_tokens=r.rollout_max_response_len if e.eval_max_response_len is None else e.eval_max_response_len,
-        )
-
     def eval_sets(self) -> list[tuple[str, str]]:
+        """--eval-prompt-data's (name, path) pairs."""
         items = self.eval.eval_prompt_data
         return [(items[i], items[i + 1]) for i in range(0, len(items), 2)]

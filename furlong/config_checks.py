@@ -1,5 +1,7 @@
 """Flag checks of `furlong train/sft/eval`: values and combinations, before any input is read.
 
+The one place flags are validated: the components (engine, rollout, trainers) trust their configs.
+
 `validate` raises ValueError('--flag: why'), which the CLI prints as one line and exits 2 (the flags
 themselves are config.py's dataclasses; inputs such as files are checked later by preflight.py).
 `sglang_flags_set` lists the SGLang-only flags given, which are accepted and reported as not applying.
@@ -9,13 +11,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from furlong.config import Config, RolloutConfig
+from furlong.config import Config, RolloutFlags
 
 
 def sglang_flags_set(cfg: Config) -> list[str]:
     """Flags given that only tune SGLang (reported once as not applying)."""
     out = []
-    for f in dataclasses.fields(RolloutConfig):
+    for f in dataclasses.fields(RolloutFlags):
         if f.metadata.get("sglang") and getattr(cfg.rollout, f.name) not in (None, False):
             out.append("--" + f.name.replace("_", "-"))
     return out
@@ -65,7 +67,9 @@ def validate(cfg: Config, command: str = "train", reward_given: bool = False) ->
           "must be > 0 to train (log-probs divide by it)" if command == "train" else "must be >= 0")
     _need(0 < r.rollout_top_p <= 1, "--rollout-top-p", "must be in (0, 1]")
     _need(r.rollout_top_k == -1 or r.rollout_top_k >= 1, "--rollout-top-k", "must be -1 (off) or >= 1")
-    _need(cfg.over_sampling_batch_size >= 1, "--over-sampling-batch-size", "must be >= 1")
+    _need(all(r.rollout_stop), "--rollout-stop", "stop strings must be non-empty")
+    _need(r.over_sampling_batch_size is None or r.over_sampling_batch_size >= 1, "--over-sampling-batch-size",
+          "must be >= 1")
     num_gpus = p.actor_num_nodes * p.actor_num_gpus_per_node
     _need(r.rollout_num_gpus is None or r.rollout_num_gpus == num_gpus, "--rollout-num-gpus",
           f"the built-in engine is colocated: it runs on the actor's {num_gpus} GPU(s)")
@@ -78,11 +82,11 @@ def validate(cfg: Config, command: str = "train", reward_given: bool = False) ->
     _need(e.eval_interval is None or e.eval_interval >= 1, "--eval-interval", "must be >= 1")
     _need(e.n_samples_per_eval_prompt >= 1, "--n-samples-per-eval-prompt", "must be >= 1")
     _need(e.eval_interval is None or bool(e.eval_prompt_data), "--eval-interval", "needs --eval-prompt-data")
-    es = cfg.eval_sampling()   # the rollout's values are valid here, so a failure is the eval flag's own
-    _need(es.temperature >= 0, "--eval-temperature", "must be >= 0")
-    _need(0 < es.top_p <= 1, "--eval-top-p", "must be in (0, 1]")
-    _need(es.top_k == -1 or es.top_k >= 1, "--eval-top-k", "must be -1 (off) or >= 1")
-    _need(es.max_new_tokens >= 1, "--eval-max-response-len", "must be >= 1")
+    # an unset eval flag takes the rollout's value (config_map.eval_config), checked above
+    _need(e.eval_temperature is None or e.eval_temperature >= 0, "--eval-temperature", "must be >= 0")
+    _need(e.eval_top_p is None or 0 < e.eval_top_p <= 1, "--eval-top-p", "must be in (0, 1]")
+    _need(e.eval_top_k is None or e.eval_top_k == -1 or e.eval_top_k >= 1, "--eval-top-k", "must be -1 (off) or >= 1")
+    _need(e.eval_max_response_len is None or e.eval_max_response_len >= 1, "--eval-max-response-len", "must be >= 1")
     estimators = ("grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
     _need(a.advantage_estimator in estimators, "--advantage-estimator",
           f"unknown estimator {a.advantage_estimator!r} ({', '.join(estimators)})")

@@ -1,7 +1,7 @@
 """Typed records the stages of the RL step hand each other (docs/design.md §2).
 
-prompt data ──► Prompt ──rollout──► Sample (grouped in Group) ──advantages──►
-TrainSample ──packing──► MicroBatch ──loss──► StepMetrics
+prompt data ──► Prompt ──rollout──► Sample (grouped in Group) ──stages──►
+TrainSample ──packing──► MicroBatch ──loss──► WeightedSums (LossMetrics, ValueLossMetrics)
 
 Shapes use T = packed tokens of a micro-batch, P = prompt tokens, R = response
 tokens of one sample, N = samples in a micro-batch.
@@ -9,7 +9,7 @@ tokens of one sample, N = samples in a micro-batch.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
@@ -17,7 +17,7 @@ import torch
 
 @dataclass
 class DistContext:
-    """Where this process sits among the data-parallel ranks; made by train/distributed.init_distributed,
+    """Where this process sits among the data-parallel ranks; made by launch/distributed.init_distributed,
     read by the rollout (its share of prompts) and the trainer (its share of samples, its device)."""
     rank: int                 # global rank, 0..world_size-1
     world_size: int           # number of data-parallel processes
@@ -172,8 +172,8 @@ class MicroBatch:
     All per-position tensors are [T] and aligned: targets[t] = token t+1 of the
     same sample (0 at a sample's last position), and loss_weight[t] = 0 wherever
     targets[t] is not a trained response token. A rank with fewer micro-batches than
-    the others pads up to the common count with a 1-token, zero-weight dummy (actor.py),
-    which contributes nothing; `pack_micro_batch([])` gives the empty (T = 0) form.
+    the others pads up to the common count with a 1-token, zero-weight dummy
+    (batching.padding_micro_batch), which contributes nothing.
     """
     input_ids: torch.Tensor       # [T] int64
     position_ids: torch.Tensor    # [T] int64, restarting at 0 per sample
@@ -191,3 +191,27 @@ class MicroBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+
+@dataclass
+class WeightedSums:
+    """Base of a loss's metrics (losses.LossMetrics, value_loss.ValueLossMetrics): weighted sums
+    (sum(x * loss_weight)) of one micro-batch, each a 0-d float32 tensor on the loss's device (no host
+    sync). Added over a step's micro-batches and ranks they give the step's aggregate; `stacked` makes
+    them one tensor for one all-reduce and one host copy, `from_host` the record again."""
+
+    def __add__(self, other: WeightedSums) -> WeightedSums:
+        return type(self)(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def stacked(self) -> torch.Tensor:
+        """[K], the fields in declaration order."""
+        return torch.stack([getattr(self, f.name) for f in fields(self)])
+
+    @classmethod
+    def zeros(cls, device: torch.device | str = "cpu") -> WeightedSums:
+        return cls(*(torch.zeros((), device=device) for _ in fields(cls)))
+
+    @classmethod
+    def from_host(cls, values: list[float]) -> WeightedSums:
+        """The record of `stacked()`'s values after the host copy (0-d CPU tensors)."""
+        return cls(*(torch.tensor(v) for v in values))

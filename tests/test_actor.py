@@ -20,11 +20,10 @@ from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
 from furlong.config import Config  # noqa: E402
 from furlong.models.hf_io import load_pretrained  # noqa: E402
-from furlong.config_checks import validate  # noqa: E402
-from furlong.run.specs import actor_spec, step_spec  # noqa: E402
+from furlong.config_map import actor_config, batching_config, run_config  # noqa: E402
 from furlong.run.step import log_prob_passes, old_log_probs, ref_log_probs  # noqa: E402
 from furlong.trainer.actor import Actor  # noqa: E402
-from furlong.launch.distributed import WorkerError, all_reduce_max, all_reduce_sum, init_distributed, launch_local  # noqa: E402
+from furlong.launch.distributed import WorkerError, all_reduce_max, init_distributed, launch_local  # noqa: E402
 from furlong.trainer.memory_probe import CPU_DEFAULT_TOKENS, ProbeMeasurement, choose_max_tokens, probe_max_tokens  # noqa: E402
 from furlong.trainer.weight_sync import _buckets, sync_weights  # noqa: E402
 from furlong.types import TrainSample  # noqa: E402
@@ -78,11 +77,12 @@ def train_rollout(actor: Actor, cfg: Config, samples: list[TrainSample]):
     call for, then train_step (on copies: the stages set fields of the samples)."""
     a = cfg.algo
     passes = log_prob_passes(a.use_rollout_logprobs, a.use_kl_loss, a.kl_coef, a.skip_actor_forward_only,
-                             step_spec(cfg).num_optimizer_steps(len(samples)))
+                             batching_config(cfg).num_optimizer_steps(len(samples)))
     samples = [dataclasses.replace(s) for s in samples]
-    old_log_probs(samples, actor, passes.old)
-    ref_log_probs(samples, actor, passes.ref)
-    return actor.train_step(samples)
+    steps = batching_config(cfg)
+    old_log_probs(samples, actor, steps, passes.old)
+    ref_log_probs(samples, actor, steps, passes.ref)
+    return actor.train_step(samples, steps)
 
 
 def full_weights(actor: Actor) -> dict[str, torch.Tensor]:
@@ -105,9 +105,9 @@ def capture_grads(actor: Actor) -> dict[str, torch.Tensor]:
 def test_compute_log_probs_matches_unpacked_forward(tiny_ckpt):
     ctx = init_distributed("cpu")
     cfg = tiny_config(use_dynamic_batch_size=True, max_tokens_per_gpu="30", rollout_temperature=0.7)
-    actor = Actor(load_pretrained(tiny_ckpt), actor_spec(cfg), ctx)
+    actor = Actor(load_pretrained(tiny_ckpt), actor_config(cfg), ctx)
     samples = synthetic_samples([17, 9, 25, 6, 12])
-    got = actor.compute_log_probs(samples, "old")
+    got = actor.compute_log_probs(samples, batching_config(cfg), "old")
     # every layer resharded afterwards, though they stay gathered across a train step's micro-batches
     # (fsdp.py): checkpointing and weight sync expect the fp32 DTensor shards
     assert all(hasattr(p, "full_tensor") and p.dtype == torch.float32 for p in actor.model.parameters())
@@ -121,9 +121,9 @@ def test_compute_log_probs_matches_unpacked_forward(tiny_ckpt):
 
 
 def test_ref_log_probs_need_kl_loss(tiny_ckpt):
-    actor = Actor(load_pretrained(tiny_ckpt), actor_spec(tiny_config()), init_distributed("cpu"))
+    actor = Actor(load_pretrained(tiny_ckpt), actor_config(tiny_config()), init_distributed("cpu"))
     with pytest.raises(ValueError, match="ref"):
-        actor.compute_log_probs(synthetic_samples([8]), "ref")
+        actor.compute_log_probs(synthetic_samples([8]), batching_config(tiny_config()), "ref")
 
 
 # ---------------------------------------------------------------- log-prob reuse
@@ -135,14 +135,14 @@ def test_reuse_equals_two_pass(tiny_ckpt):
     results = []
     for explicit in (False, True):
         cfg = tiny_config(micro_batch_size=2, eps_clip_high=0.28)
-        actor = Actor(load_pretrained(tiny_ckpt), actor_spec(cfg), ctx)
-        assert log_prob_passes(False, False, 0.0, None, step_spec(cfg).num_optimizer_steps(len(samples))).old == "training"
+        actor = Actor(load_pretrained(tiny_ckpt), actor_config(cfg), ctx)
+        assert log_prob_passes(False, False, 0.0, None, batching_config(cfg).num_optimizer_steps(len(samples))).old == "training"
         batch = samples
         if explicit:
-            old = actor.compute_log_probs(samples, "old")
+            old = actor.compute_log_probs(samples, batching_config(cfg), "old")
             batch = [dataclasses.replace(s, old_log_probs=o) for s, o in zip(samples, old)]
         grads = capture_grads(actor)
-        m = actor.train_step(batch)
+        m = actor.train_step(batch, batching_config(cfg))
         results.append((m, grads, full_weights(actor)))
     (m0, g0, w0), (m1, g1, w1) = results
     assert m0.loss == pytest.approx(m1.loss, rel=1e-6, abs=1e-8)
@@ -157,32 +157,13 @@ def test_gradient_checkpointing_same_gradients(tiny_ckpt):
     samples = synthetic_samples([14, 9, 20])
     grads = []
     for ckpt_on in (False, True):
-        actor = Actor(load_pretrained(tiny_ckpt), actor_spec(tiny_config(gradient_checkpointing=ckpt_on, micro_batch_size=2)), ctx)
+        cfg = tiny_config(gradient_checkpointing=ckpt_on, micro_batch_size=2)
+        actor = Actor(load_pretrained(tiny_ckpt), actor_config(cfg), ctx)
         assert actor.model.gradient_checkpointing is ckpt_on
         grads.append(capture_grads(actor))
-        actor.train_step(samples)
+        actor.train_step(samples, batching_config(cfg))
     for n, g in grads[0].items():
         torch.testing.assert_close(grads[1][n], g, rtol=1e-5, atol=1e-8, msg=n)
-
-
-def test_reuse_flag_rejected_with_several_steps():
-    cfg = tiny_config(global_batch_size=2, skip_actor_forward_only=True, rollout_batch_size=4, hf_checkpoint="x",
-                      prompt_data="x", rm_type="math")
-    with pytest.raises(ValueError, match="--skip-actor-forward-only"):
-        validate(cfg)
-    validate(tiny_config(global_batch_size=4, skip_actor_forward_only=True, rollout_batch_size=4, hf_checkpoint="x",
-                         prompt_data="x", rm_type="math"))
-
-
-def test_log_prob_passes():
-    """Which passes a step runs: one decision from the flags and the optimizer steps per rollout."""
-    assert log_prob_passes(False, False, 0.0, None, 1).old == "training"
-    assert log_prob_passes(False, False, 0.0, None, 2).old == "forward"
-    assert log_prob_passes(False, False, 0.0, False, 1).old == "forward"
-    assert log_prob_passes(True, False, 0.0, None, 2).old == "engine"
-    assert log_prob_passes(False, True, 0.0, None, 1).ref and not log_prob_passes(False, False, 0.0, None, 1).ref
-    kl_reward = log_prob_passes(False, False, 0.1, None, 1)   # the reward's KL needs both before training
-    assert kl_reward.old == "forward" and kl_reward.ref
 
 
 # ---------------------------------------------------------------- optimizer steps
@@ -192,11 +173,11 @@ def test_several_optimizer_steps_per_rollout(tiny_ckpt):
     before the first update (so the second step sees ppo_kl != 0)."""
     ctx = init_distributed("cpu")
     cfg = tiny_config(global_batch_size=2, lr=1e-2)
-    actor = Actor(load_pretrained(tiny_ckpt), actor_spec(cfg), ctx)
+    actor = Actor(load_pretrained(tiny_ckpt), actor_config(cfg), ctx)
     samples = synthetic_samples([10, 12, 9, 11])
     before = full_weights(actor)
     with pytest.raises(ValueError, match="old log-probs"):   # train_step only trains: the passes run before it
-        actor.train_step(samples)
+        actor.train_step(samples, batching_config(cfg))
     m = train_rollout(actor, cfg, samples)
     assert m.num_steps == 2 and m.num_micro_batches == 4 and m.num_tokens == 42
     assert m.ppo_kl != 0.0 and m.num_skipped_steps == 0
@@ -209,11 +190,12 @@ def test_several_optimizer_steps_per_rollout(tiny_ckpt):
 def test_sft_loss_trains(tiny_ckpt):
     """Actor(loss='sft') lowers the cross-entropy of the data it trains on."""
     ctx = init_distributed("cpu")
-    actor = Actor(load_pretrained(tiny_ckpt), actor_spec(tiny_config(lr=1e-2, micro_batch_size=4)), ctx, loss="sft")
+    cfg = tiny_config(lr=1e-2, micro_batch_size=4)
+    actor, steps = Actor(load_pretrained(tiny_ckpt), actor_config(cfg), ctx, loss="sft"), batching_config(cfg)
     samples = synthetic_samples([12, 10, 14])
-    losses = [actor.train_step(samples).loss for _ in range(4)]
+    losses = [actor.train_step(samples, steps).loss for _ in range(4)]
     assert losses[-1] < losses[0]
-    nll = -sum(float(lp.mean()) for lp in actor.compute_log_probs(samples)) / 3
+    nll = -sum(float(lp.mean()) for lp in actor.compute_log_probs(samples, steps)) / 3
     assert nll == pytest.approx(losses[0], rel=0.5)  # same scale: mean token NLL
 
 
@@ -221,7 +203,6 @@ def test_sft_loss_trains(tiny_ckpt):
 
 def _failing_worker(bad_rank: int) -> None:
     ctx = init_distributed("cpu")
-    assert all_reduce_sum([1, 2.5]) == [2.0, 5.0]
     assert all_reduce_max([ctx.rank, -ctx.rank]) == [1.0, 0.0]
     if ctx.rank == bad_rank:
         raise ValueError("--lr: worker says no\nsecond line")
@@ -237,8 +218,8 @@ def test_launch_local_reports_worker_error():
 
 def _sync_worker(ckpt: str, out: str) -> None:
     ctx = init_distributed("cpu")
-    actor = Actor(load_pretrained(ckpt), actor_spec(tiny_config(lr=1e-2)), ctx)
-    actor.train_step(synthetic_samples([9, 14, 6]))   # trainer weights now differ from the checkpoint
+    actor = Actor(load_pretrained(ckpt), actor_config(tiny_config(lr=1e-2)), ctx)
+    actor.train_step(synthetic_samples([9, 14, 6]), batching_config(tiny_config()))   # weights now differ
     engines = {torch.float32: load_pretrained(ckpt), torch.bfloat16: load_pretrained(ckpt, dtype=torch.bfloat16)}
     written = {dt: sync_weights(actor.model, eng, bucket_bytes=4096) for dt, eng in engines.items()}
     gathered = full_weights(actor)
@@ -265,7 +246,7 @@ def test_weight_sync_buckets_and_mismatch(tiny_ckpt):
     params = [(f"p{i}", torch.zeros(n)) for i, n in enumerate([100, 300, 2000, 50, 50])]
     buckets = _buckets(params, torch.float32, bucket_bytes=1600)
     assert [[n for n, _ in b] for b in buckets] == [["p0", "p1"], ["p2"], ["p3", "p4"]]
-    actor = Actor(load_pretrained(tiny_ckpt), actor_spec(tiny_config()), init_distributed("cpu"))
+    actor = Actor(load_pretrained(tiny_ckpt), actor_config(tiny_config()), init_distributed("cpu"))
     other = load_pretrained(write_tiny_checkpoint(Path(tiny_ckpt).parent / "tied", vocab_size=VOCAB, hidden=32,
                                                   tie=True, with_tokenizer=False))
     with pytest.raises(ValueError, match="weight sync"):
@@ -289,24 +270,28 @@ def test_choose_max_tokens():
 
 
 def test_probe_on_cpu_returns_default(tiny_ckpt, caplog):
-    actor = Actor(load_pretrained(tiny_ckpt), actor_spec(tiny_config(use_dynamic_batch_size=True, max_tokens_per_gpu="auto")),
-                  init_distributed("cpu"))
+    """The probe's budget is a value the run puts into its config (RunConfig.with_max_tokens)."""
+    cfg = tiny_config(use_dynamic_batch_size=True, max_tokens_per_gpu="auto")
+    actor = Actor(load_pretrained(tiny_ckpt), actor_config(cfg), init_distributed("cpu"))
     with pytest.raises(ValueError, match="--max-tokens-per-gpu"):
-        actor.train_step(synthetic_samples([8, 9]))
+        actor.train_step(synthetic_samples([8, 9]), batching_config(cfg))
     with caplog.at_level("INFO"):
-        actor.max_tokens_per_gpu = probe_max_tokens(actor)
-    assert actor.max_tokens_per_gpu == CPU_DEFAULT_TOKENS and "default budget" in caplog.text
-    assert actor.train_step(synthetic_samples([8, 9])).num_micro_batches == 1
+        budget = probe_max_tokens(actor)
+    assert budget == CPU_DEFAULT_TOKENS and "default budget" in caplog.text
+    config = run_config(cfg)
+    assert config.steps.max_tokens_per_gpu is None and config.with_max_tokens(budget).steps.max_tokens_per_gpu == budget
+    steps = config.with_max_tokens(budget).steps
+    assert actor.train_step(synthetic_samples([8, 9]), steps).num_micro_batches == 1
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_probe_on_gpu_fits(tiny_ckpt):
     """The probed budget is a multiple of 1024 and a micro-batch of that size trains."""
-    actor = Actor(load_pretrained(tiny_ckpt), actor_spec(tiny_config(use_dynamic_batch_size=True, max_tokens_per_gpu="auto")),
-                  init_distributed("cuda"))
-    actor.max_tokens_per_gpu = probe_max_tokens(actor)
-    assert actor.max_tokens_per_gpu % 1024 == 0 and actor.max_tokens_per_gpu >= 1024
-    n = min(actor.max_tokens_per_gpu, 65536)
-    m = actor.train_step(synthetic_samples([n // 2, n // 2]))
+    cfg = tiny_config(use_dynamic_batch_size=True, max_tokens_per_gpu="auto")
+    actor = Actor(load_pretrained(tiny_ckpt), actor_config(cfg), init_distributed("cuda"))
+    budget = probe_max_tokens(actor)
+    assert budget % 1024 == 0 and budget >= 1024
+    n = min(budget, 65536)
+    m = actor.train_step(synthetic_samples([n // 2, n // 2]), run_config(cfg).with_max_tokens(budget).steps)
     assert m.num_micro_batches == 1 and math.isfinite(m.grad_norm)

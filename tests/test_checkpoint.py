@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_actor import full_weights, synthetic_samples, tiny_ckpt, tiny_config, train_rollout  # noqa: E402,F401 (tiny_ckpt: fixture)
 
 from furlong.models.hf_io import load_pretrained  # noqa: E402
-from furlong.run.specs import actor_spec  # noqa: E402
+from furlong.config_map import actor_config  # noqa: E402
 from furlong.trainer.actor import Actor  # noqa: E402
 from furlong.checkpoint.store import (SLEEP_ENV, TRACKER, latest_iteration, load_checkpoint,  # noqa: E402
                                       save_checkpoint)
@@ -41,7 +41,7 @@ def _config(ckpt):
 
 
 def make_actor(ckpt) -> Actor:
-    return Actor(load_pretrained(ckpt), actor_spec(_config(ckpt)), init_distributed("cpu"))
+    return Actor(load_pretrained(ckpt), actor_config(_config(ckpt)), init_distributed("cpu"))
 
 
 def train(actor: Actor, rollout_id: int):

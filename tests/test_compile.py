@@ -3,7 +3,7 @@ import torch
 
 from furlong.config import Config
 from furlong.models.hf_io import load_pretrained
-from furlong.run.specs import actor_spec
+from furlong.config_map import actor_config, batching_config
 from furlong.trainer.actor import Actor
 from furlong.launch.distributed import destroy_distributed, init_distributed
 from furlong.types import TrainSample
@@ -34,9 +34,9 @@ def test_compiled_layers_match_eager(tmp_path):
             cfg.optim.lr, cfg.algo.entropy_coef = 1e-3, 0.01
             cfg.parallel.torch_compile = mode
             counters.clear()
-            actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device="cpu"), actor_spec(cfg), ctx)
+            actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device="cpu"), actor_config(cfg), ctx)
             # two steps with different token counts: the second exercises dynamic shapes
-            metrics = [actor.train_step(_samples(s)) for s in range(2)]
+            metrics = [actor.train_step(_samples(s), batching_config(cfg)) for s in range(2)]
             results[mode] = [(m.loss, m.grad_norm, m.entropy) for m in metrics]
             if mode == "on":
                 assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters)

@@ -225,7 +225,7 @@ def test_ppo_end_to_end_warm_up_and_exact_resume(assets, tmp_path, capsys):
     assert main(_ppo(assets, tmp_path / "fresh", 3, "--save", str(tmp_path / "fresh_ck"))) == 0
     assert main(_ppo(assets, tmp_path / "first", 2, "--save", str(ck), "--save-interval", "1")) == 0
     assert sorted(p.name for p in (tmp_path / "ck_critic").iterdir()) == [
-        "iter_0000001", "iter_0000002", "latest_checkpointed_iteration.txt"]
+        "iter_0000001", "iter_0000002", "latest_checkpointed_iteration.txt", "run_id.txt"]   # the run's id too
     assert main(_ppo(assets, tmp_path / "resumed", 3, "--load", str(ck))) == 0
     fresh, resumed = read_metrics(tmp_path / "fresh"), read_metrics(tmp_path / "resumed")
     for r in fresh:

@@ -192,9 +192,10 @@ ALGORITHMS = {
     "rloo-dr-grpo": ["--advantage-estimator", "rloo", "--loss-agg-mode", "seq-mean-token-sum-norm"],
     "reinforce++": ["--advantage-estimator", "reinforce_plus_plus", "--kl-coef", "0.01", "--gamma", "0.99"],
     "reinforce++-baseline": ["--advantage-estimator", "reinforce_plus_plus_baseline", "--kl-coef", "0.02"],
-    "dapo-style": ["--use-rollout-logprobs", "--use-tis", "--tis-clip-low", "0.1", "--normalize-advantages",
+    "dapo-style": ["--use-tis", "--tis-clip-low", "0.1", "--normalize-advantages",
                    "--overlong-buffer-len", "4", "--loss-agg-mode", "token-mean", "--use-kl-loss",
                    "--kl-loss-coef", "0.01", "--use-unbiased-kl"],
+    "rollout-logprobs": ["--use-rollout-logprobs", "--normalize-advantages"],
 }
 
 

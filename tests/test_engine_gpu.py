@@ -221,15 +221,15 @@ def test_weights_after_sync_equal_the_trainers_gathered_weights(tmp_path):
     from tiny_checkpoints import write_tiny_checkpoint
     from furlong.engine import Engine, EngineConfig, Request, SamplingParams
     from furlong.models.hf_io import load_pretrained
-    from furlong.run.specs import actor_spec
+    from furlong.config_map import actor_config, batching_config
     from furlong.trainer.actor import Actor
     from furlong.launch.distributed import init_distributed
     from furlong.trainer.weight_sync import sync_weights
     ckpt = write_tiny_checkpoint(tmp_path / "c", vocab_size=128, hidden=64, layers=2, heads=4, kv_heads=2,
                                  tie=False, init_std=0.05)
     ctx = init_distributed("auto")
-    actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=ctx.device), actor_spec(tiny_config()), ctx)
-    actor.train_step(synthetic_samples([9, 14, 7, 20]))
+    actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=ctx.device), actor_config(tiny_config()), ctx)
+    actor.train_step(synthetic_samples([9, 14, 7, 20]), batching_config(tiny_config()))
     eng = Engine(load_pretrained(ckpt, dtype=torch.bfloat16, device=ctx.device), NullTok(), [],
                  EngineConfig(max_model_len=64, max_num_seqs=4, kv_fraction=0.02))
     with torch.inference_mode():

@@ -56,10 +56,10 @@ def quick(monkeypatch):
 def test_a_silent_rank_is_named_with_the_stage_it_published(tmp_path):
     store = DictStore()
     peer = Position(rank=3, node=1, store=store)
-    with peer.stage("train", 2):
+    with peer.stage("actor_train", 2):
         pass
     me = Position(rank=0, node=0, store=store)
-    with me.stage("log_probs", 2):
+    with me.stage("old_log_probs", 2):
         pass
     store.set("furlong/survived/1", "1")        # rank 1 saw the failure too; rank 2 said nothing either
     line = stop_report(PEER_RESET, me, 4, cfg_of(tmp_path), "train", None)
@@ -69,7 +69,7 @@ def test_a_silent_rank_is_named_with_the_stage_it_published(tmp_path):
 
 def test_the_lost_rank_line_and_its_resume_command_parse_back(tmp_path):
     store = DictStore()
-    with Position(rank=1, node=1, store=store).stage("train", 2):
+    with Position(rank=1, node=1, store=store).stage("actor_train", 2):
         pass
     cfg = cfg_of(tmp_path, "--use-fault-tolerance", "--rollout-stop", "a b", "x")
     line = stop_report(PEER_RESET, Position(rank=0, node=0, store=store), 2, cfg, "train", None)
@@ -95,7 +95,7 @@ def test_a_rank_that_raised_is_named_with_its_own_line(tmp_path):
 
 def test_a_bug_is_one_line_naming_the_stage_and_how_to_see_the_traceback(tmp_path, capsys):
     me = Position(rank=1, node=1, store=DictStore())
-    with me.stage("sync", 4):
+    with me.stage("update_weights", 4):
         pass
     line = stop_report(KeyError("w"), me, 2, cfg_of(tmp_path), "train", None)
     assert line.startswith("rank 1 (node 1) failed during the weight sync of rollout 5: KeyError: 'w';")

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_actor import capture_grads, synthetic_samples, tiny_ckpt, tiny_config, train_rollout  # noqa: E402,F401 (tiny_ckpt: fixture)
 
 from furlong.models.hf_io import load_pretrained  # noqa: E402
-from furlong.run.specs import actor_spec  # noqa: E402
+from furlong.config_map import actor_config  # noqa: E402
 from furlong.trainer.actor import Actor  # noqa: E402
 from furlong.trainer.planning import plan_micro_batches, split_across_ranks  # noqa: E402
 from furlong.launch.distributed import init_distributed, launch_local  # noqa: E402
@@ -60,7 +60,7 @@ def run_scenario(ckpt: str, name: str, distributed: bool) -> dict:
         cfg = tiny_config(use_dynamic_batch_size=True, max_tokens_per_gpu=str(MAX_TOKENS), **overrides)
     else:
         cfg = tiny_config(micro_batch_size=1, **overrides, **REFERENCE_ONLY.get(name, {}))
-    actor = Actor(load_pretrained(ckpt), actor_spec(cfg), ctx)
+    actor = Actor(load_pretrained(ckpt), actor_config(cfg), ctx)
     grads = capture_grads(actor)
     metrics = train_rollout(actor, cfg, synthetic_samples(LENGTHS[:num]))
     weights = {n: p.full_tensor().detach().clone() for n, p in actor.model.named_parameters()}

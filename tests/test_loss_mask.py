@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from furlong.algorithms.losses import LossParams, rl_loss
+from furlong.algorithms.losses import LossConfig, rl_loss
 from furlong.algorithms.advantages import AdvantageConfig
 from furlong.algorithms.shaping import ShapingConfig
 from furlong.run import step
@@ -30,7 +30,7 @@ def test_masked_tokens_get_zero_gradient_and_no_count():
         mb = pack_micro_batch(samples, weights, [0, 1])
         log_probs = (-torch.rand(mb.num_tokens)).requires_grad_()
         entropy = torch.rand(mb.num_tokens).requires_grad_()
-        params = LossParams(eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=3.0, use_kl_loss=True, kl_loss_coef=0.1,
+        params = LossConfig(eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=3.0, use_kl_loss=True, kl_loss_coef=0.1,
                             kl_loss_type="low_var_kl", entropy_coef=0.01, use_tis=True, tis_clip=2.0,
                             tis_clip_low=0.0, use_unbiased_kl=True, sequence_ratio=False)
         loss, _ = rl_loss(mb, log_probs, entropy, params)
@@ -55,7 +55,7 @@ def test_sample_mask_reaches_train_sample():
         samples.append(s)
     assert samples[0].num_turns == 2 and samples[0].num_trained_tokens == 3 and samples[0].tokens[-1] == 10
     out, rewards = step.train_samples([Group(0, samples)], ShapingConfig(None, 1.0, 16))
-    step.old_log_probs(out, None, "engine")
+    step.old_log_probs(out, None, None, "engine")
     step.advantages(out, rewards, AdvantageConfig(estimator="grpo", whiten=True))
     assert out[0].loss_mask.tolist() == [1, 1, 0, 0, 0, 1] and out[2].loss_mask.tolist() == [1, 1, 0, 1]
     assert out[0].rollout_log_probs.tolist()[2:5] == [0.0, 0.0, 0.0]

@@ -72,3 +72,59 @@ def test_longest_sample_bounds_the_budget_and_nothing_fitting_names_flags():
     # fits only below the longest sample: refused too, never a budget a sample cannot fit in
     with pytest.raises(MemoryPlanError):
         plan_memory(probes(fixed_gib=60), tiny, None, False, min_tokens=9000)
+
+
+# ------------------------------------------------------------------ wiring: the probe's plan, the OOM line
+
+def test_trainer_plan_with_injected_probes_on_cpu(tmp_path):
+    """plan_trainer_memory on a real (CPU) actor: pending AdamW bytes come from its trainable parameters,
+    and a budget that needs recompute turns it on."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_actor import tiny_config  # noqa: E402
+    from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
+
+    from furlong.config_map import actor_config
+    from furlong.launch.distributed import init_distributed
+    from furlong.models.hf_io import load_pretrained
+    from furlong.trainer.actor import Actor
+    from furlong.trainer.memory_probe import plan_trainer_memory
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", vocab_size=128, hidden=32, layers=2, heads=2, kv_heads=1)
+    actor = Actor(load_pretrained(ckpt), actor_config(tiny_config(use_dynamic_batch_size=True)), init_distributed("cpu"))
+    assert plan_trainer_memory(actor, 4096, False, min_tokens=100).note is None   # CPU, nothing measured
+    plan = plan_trainer_memory(actor, 32768, False, min_tokens=1200, probes=probes(intercept_s=0.5),
+                               total_bytes=140 * GiB, reserved_bytes=8 * GiB)
+    assert plan.gradient_checkpointing and plan.max_tokens_per_gpu == 32768
+    assert "turned --gradient-checkpointing on" in plan.note
+
+
+def test_out_of_memory_in_a_step_is_one_line_and_keeps_the_checkpoint(tmp_path, capsys, monkeypatch):
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import torch
+    from test_cli import assets as _assets  # noqa: F401,E402
+    from test_cli import run_cli, train_flags  # noqa: E402
+    from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
+
+    from furlong.run import loop
+    from furlong.tasks.synthetic import prepare_synthetic
+    a = tmp_path / "a"
+    write_tiny_checkpoint(a / "ckpt", vocab_size=128, hidden=32, layers=2, heads=2, kv_heads=1)
+    prepare_synthetic(a / "data", 8, 2, 0)
+    save = tmp_path / "ck"
+    code, _, err = run_cli(train_flags(a, tmp_path / "out", "--num-rollout", "1", "--save", str(save)), capsys)
+    assert code == 0, err
+    before = sorted(p.name for p in save.iterdir())
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    monkeypatch.setattr(loop, "rl_step", oom)
+    code, _, err = run_cli(train_flags(a, tmp_path / "out", "--num-rollout", "2", "--save", str(save),
+                                       "--load", str(save)), capsys)
+    assert code == 1
+    line = err.strip().splitlines()[-1]
+    assert "out of memory in the rollout stage of rollout 2" in line and "--max-tokens-per-gpu" in line
+    assert "Traceback" not in err
+    assert sorted(p.name for p in save.iterdir()) == before

@@ -308,9 +308,9 @@ def test_save_hf_round_trip(ckpts, tmp_path, cid):
     model = load_pretrained(src)
     out = tmp_path / "export"
     out.mkdir()
-    (out / "stale.txt").write_text("replaced atomically")
+    (out / "notes.txt").write_text("not the checkpoint's: kept")
     save_hf(model, model.args, out, tokenizer_src=src)
-    assert not (out / "stale.txt").exists()
+    assert (out / "notes.txt").read_text() == "not the checkpoint's: kept"   # only its own files are replaced
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]   # no temp dirs left
     saved = load_file(out / "model.safetensors")
     assert ("lm_head.weight" in saved) == (not model.args.tie_word_embeddings)

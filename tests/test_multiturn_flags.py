@@ -2,6 +2,7 @@
 --metadata-key, --reward-key, --rollout-max-context-len."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from furlong.data import DataError, PromptDataset  # noqa: E402
 from furlong.engine.sampling import SamplingParams  # noqa: E402
 from furlong.rewards.keyed import KeyedReward  # noqa: E402
 from furlong.rewards.registry import RewardError, compute_rewards  # noqa: E402
-from furlong.rollout.rollout import RolloutSpec, context_cap  # noqa: E402
+from furlong.rollout.rollout import RolloutConfig, context_cap  # noqa: E402
 from furlong.types import Prompt, Sample  # noqa: E402
 
 TEMPLATE = ("{% if tools %}[{{ tools | length }} tools: {{ tools[0]['function']['name'] }}]{% endif %}"
@@ -81,8 +82,7 @@ def test_reward_key_picks_the_trained_value():
 
 
 def test_context_len_caps_each_request():
-    spec = RolloutSpec(rollout_batch_size=1, n_samples_per_prompt=2, over_sampling_batch_size=1,
+    spec = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2, over_sampling_batch_size=1,
                        sampling=SamplingParams(max_new_tokens=10), seed=0, max_context_len=30)
     assert context_cap(spec, 25) == [5, 5] and context_cap(spec, 20) is None
-    spec.max_context_len = None
-    assert context_cap(spec, 25) is None
+    assert context_cap(dataclasses.replace(spec, max_context_len=None), 25) is None

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_actor import synthetic_samples, tiny_config  # noqa: E402
 from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 from furlong.models.hf_io import load_pretrained  # noqa: E402
-from furlong.run.specs import actor_spec  # noqa: E402
+from furlong.config_map import actor_config, batching_config  # noqa: E402
 from furlong.trainer.actor import Actor  # noqa: E402
 from furlong.launch.distributed import init_distributed  # noqa: E402
 from furlong.trainer.mfu import peak_bf16_flops  # noqa: E402
@@ -29,9 +29,9 @@ def ckpt(tmp_path_factory):
 def _step(ckpt, device: str, recompute: bool, compile: str = "off"):
     torch.manual_seed(0)
     ctx = init_distributed(device)
-    actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=ctx.device),
-                  actor_spec(tiny_config(dtype="bf16", gradient_checkpointing=recompute, torch_compile=compile)), ctx)
-    m = actor.train_step(synthetic_samples([9, 14, 7, 20, 31, 5]))
+    cfg = tiny_config(dtype="bf16", gradient_checkpointing=recompute, torch_compile=compile)
+    actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=ctx.device), actor_config(cfg), ctx)
+    m = actor.train_step(synthetic_samples([9, 14, 7, 20, 31, 5]), batching_config(cfg))
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu()
               for n, p in actor.model.named_parameters()}
     return m, params

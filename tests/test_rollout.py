@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from furlong.rollout.eval import run_eval
 from furlong.rollout.filters import check_reward_nonzero_std, load_filter
 from furlong.engine import Completion, EngineStats, Request
-from furlong.rollout.rollout import RolloutError, RolloutSpec, generate_rollout, rank_share
+from furlong.rollout.rollout import RolloutError, RolloutConfig, generate_rollout, rank_share
 from furlong.engine.sampling import SamplingParams
 from furlong.types import DistContext, Group, Prompt, Sample
 
@@ -112,8 +112,8 @@ def scripted_reward(sample: Sample) -> float:
     return 0.0 if row % 2 == 0 else float(k)
 
 
-def spec(batch: int, over: int, n: int = 2, seed: int = 3) -> RolloutSpec:
-    return RolloutSpec(rollout_batch_size=batch, n_samples_per_prompt=n, over_sampling_batch_size=over,
+def spec(batch: int, over: int, n: int = 2, seed: int = 3) -> RolloutConfig:
+    return RolloutConfig(rollout_batch_size=batch, n_samples_per_prompt=n, over_sampling_batch_size=over,
                        sampling=SamplingParams(temperature=1.0, max_new_tokens=4), seed=seed)
 
 

@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
+from furlong.config_map import rollout_seed  # noqa: E402
 from furlong.cli import main, parse_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,7 +135,7 @@ def test_seed_decides_grpo_training(assets, tmp_path):
     assert runs["a"][1] != runs["c"][1] and runs["a"][0] != runs["c"][0]
     # an explicit --rollout-seed wins over --seed for the sampling
     seed_1 = parse_config(["--hf-checkpoint", "x", "--prompt-data", "y", "--rm-type", "math", "--seed", "1"])
-    assert main(train_argv(assets, tmp_path / "d", "--seed", "2", "--rollout-seed", str(seed_1.rollout_seed),
+    assert main(train_argv(assets, tmp_path / "d", "--seed", "2", "--rollout-seed", str(rollout_seed(seed_1)),
                            "--save-debug-rollout-data")) == 0
     first = lambda n: (tmp_path / n / "samples" / "rollout_train_1.jsonl").read_text()  # noqa: E731
     assert first("d") == first("a")
@@ -142,9 +143,9 @@ def test_seed_decides_grpo_training(assets, tmp_path):
 
 def test_rollout_seed_defaults_to_miles_default_under_the_default_seed():
     base = ["--hf-checkpoint", "x", "--prompt-data", "y", "--rm-type", "math"]
-    assert parse_config(base).rollout_seed == 42                        # miles: --seed 1234, --rollout-seed 42
-    assert parse_config(base + ["--seed", "7"]).rollout_seed != 42
-    assert parse_config(base + ["--seed", "7", "--rollout-seed", "5"]).rollout_seed == 5
+    assert rollout_seed(parse_config(base)) == 42                        # miles: --seed 1234, --rollout-seed 42
+    assert rollout_seed(parse_config(base + ["--seed", "7"])) != 42
+    assert rollout_seed(parse_config(base + ["--seed", "7", "--rollout-seed", "5"])) == 5
 
 
 def test_seed_everything_seeds_python_numpy_torch():

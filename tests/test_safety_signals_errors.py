@@ -115,8 +115,8 @@ def test_sigterm_during_sft_stops_after_the_step_and_saves(assets, tmp_path, cap
     real = Actor.train_step
     calls = []
 
-    def step_then_term(self, batch):
-        out = real(self, batch)
+    def step_then_term(self, batch, steps):
+        out = real(self, batch, steps)
         calls.append(1)
         if len(calls) == 2:
             os.kill(os.getpid(), signal.SIGTERM)

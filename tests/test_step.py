@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from furlong.config import Config
+from furlong.config_checks import validate
 from furlong.algorithms.advantages import AdvantageConfig, AdvantageInputs, get_estimator, whiten
 from furlong.algorithms.shaping import overlong_penalty
 from furlong.run import step
-from furlong.run.specs import step_settings
+from furlong.config_map import advantage_config, batching_config, shaping_config
 from furlong.types import Group, Prompt, Sample
 
 
@@ -17,7 +18,7 @@ class FakeActor:
     def __init__(self):
         self.calls = []
 
-    def compute_log_probs(self, samples, which: str):
+    def compute_log_probs(self, samples, steps, which: str):
         self.calls.append(which)
         shift = -0.5 if which == "old" else -0.8
         return [torch.full((s.num_response_tokens,), shift) + 0.01 * torch.arange(s.num_response_tokens)
@@ -41,13 +42,13 @@ def groups(seed=0, num=3, n=4):
 
 def build_train_samples(gs, c: Config, actor, num_optimizer_steps: int = 1):
     """The stages from rewards to advantages, in rl_step's order."""
-    settings, a = step_settings(c), c.algo
+    a, steps = c.algo, batching_config(c)
     passes = step.log_prob_passes(a.use_rollout_logprobs, a.use_kl_loss, a.kl_coef, a.skip_actor_forward_only,
                                   num_optimizer_steps)
-    samples, rewards = step.train_samples(gs, settings.shaping)
-    step.old_log_probs(samples, actor, passes.old)
-    step.ref_log_probs(samples, actor, passes.ref)
-    step.advantages(samples, rewards, settings.advantages)
+    samples, rewards = step.train_samples(gs, shaping_config(c))
+    step.old_log_probs(samples, actor, steps, passes.old)
+    step.ref_log_probs(samples, actor, steps, passes.ref)
+    step.advantages(samples, rewards, advantage_config(c))
     return samples
 
 
@@ -112,6 +113,33 @@ def test_several_optimizer_steps_take_old_log_probs_from_a_forward():
     actor = FakeActor()
     samples = build_train_samples(groups(3), cfg(), actor, num_optimizer_steps=2)
     assert actor.calls == ["old"] and all(s.old_log_probs is not None and s.ref_log_probs is None for s in samples)
+
+
+def _flags(**batch_and_algo) -> Config:
+    """A valid `furlong train` flag set (4 groups of 1 sample) with `batch_and_algo` set."""
+    c = Config()
+    c.data.hf_checkpoint, c.data.prompt_data, c.reward.rm_type, c.rollout.rollout_batch_size = "x", "x", "math", 4
+    for k, v in batch_and_algo.items():
+        setattr(c.batch if hasattr(c.batch, k) else c.algo, k, v)
+    return c
+
+
+def test_reuse_flag_rejected_with_several_steps():
+    cfg = _flags(global_batch_size=2, skip_actor_forward_only=True)
+    with pytest.raises(ValueError, match="--skip-actor-forward-only"):
+        validate(cfg)
+    validate(_flags(global_batch_size=4, skip_actor_forward_only=True))
+
+
+def test_log_prob_passes():
+    """Which passes a step runs: one decision from the flags and the optimizer steps per rollout."""
+    assert step.log_prob_passes(False, False, 0.0, None, 1).old == "training"
+    assert step.log_prob_passes(False, False, 0.0, None, 2).old == "forward"
+    assert step.log_prob_passes(False, False, 0.0, False, 1).old == "forward"
+    assert step.log_prob_passes(True, False, 0.0, None, 2).old == "engine"
+    assert step.log_prob_passes(False, True, 0.0, None, 1).ref and not step.log_prob_passes(False, False, 0.0, None, 1).ref
+    kl_reward = step.log_prob_passes(False, False, 0.1, None, 1)   # the reward's KL needs both before training
+    assert kl_reward.old == "forward" and kl_reward.ref
 
 
 def test_overlong_penalty_formula():

@@ -27,16 +27,17 @@ exactly miles' step objective, however the samples were split.
 
 Metrics are weighted the same way, so summing a LossMetrics over the step's
 micro-batches and ranks gives the step's aggregate; they stay 0-d tensors so
-the trainer can reduce them with one collective and sync once per step.
+the trainer can reduce them with one collective and sync once per step
+(types.WeightedSums).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from furlong.types import MicroBatch
+from furlong.types import MicroBatch, WeightedSums
 
 
 # log-ratio clamp before exp(): keeps ratios finite for wildly off-policy tokens (as miles).
@@ -130,10 +131,10 @@ def sequence_mean_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, cu_seql
     return (sums / counts.clamp(min=1))[seg]
 
 
-@dataclass
-class LossParams:
-    """Loss hyper-parameters (the --eps-clip ... --tis-clip flags); no defaults here: config.AlgoConfig
-    holds them, and specs.loss_params is the one way from the flags to these."""
+@dataclass(frozen=True)
+class LossConfig:
+    """Loss hyper-parameters (the --eps-clip ... --tis-clip flags); no defaults here: the flags hold
+    them, and config_map.loss_config is the one way from the flags to these."""
     eps_clip: float
     eps_clip_high: float
     eps_clip_c: float | None             # dual clip (None: off)
@@ -149,11 +150,8 @@ class LossParams:
 
 
 @dataclass
-class LossMetrics:
-    """Weighted sums (sum(x * loss_weight)) of one micro-batch; add them over the step.
-
-    All fields are 0-d float32 tensors on the loss's device (no host sync).
-    """
+class LossMetrics(WeightedSums):
+    """The RL loss's weighted sums of one micro-batch (types.WeightedSums: add them over the step)."""
     loss: torch.Tensor          # [] the optimized objective (detached)
     pg_loss: torch.Tensor       # [] policy-gradient term (after TIS)
     pg_clipfrac: torch.Tensor   # [] fraction of tokens on the clipped branch
@@ -162,28 +160,13 @@ class LossMetrics:
     entropy: torch.Tensor       # [] policy entropy (0 when not computed)
     rollout_logprob_abs_diff: torch.Tensor   # [] |trainer - engine| log-prob of the sampled tokens
 
-    def __add__(self, other: "LossMetrics") -> "LossMetrics":
-        return LossMetrics(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
-
-    def stacked(self) -> torch.Tensor:
-        """All metrics as one [K] tensor (one all-reduce, one host copy)."""
-        return torch.stack([getattr(self, f.name) for f in fields(self)])
-
-    @classmethod
-    def names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
-
-    @classmethod
-    def zeros(cls, device: torch.device | str = "cpu") -> "LossMetrics":
-        return cls(*(torch.zeros((), device=device) for _ in fields(cls)))
-
 
 def _wsum(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.where(weight != 0, x.detach().float() * weight, 0.0).sum()
 
 
 def rl_loss(mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor | None,
-            params: LossParams) -> tuple[torch.Tensor, LossMetrics]:
+            params: LossConfig) -> tuple[torch.Tensor, LossMetrics]:
     """Micro-batch RL loss (scalar, sum of weighted per-token totals) and its metrics.
 
     log_probs [T] and entropy [T] come from the training forward over mb's

@@ -20,27 +20,18 @@ when the returns are constant.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
+from furlong.types import WeightedSums
+
 
 @dataclass
-class ValueLossMetrics:
-    """Weighted sums of one micro-batch (0-d float32 tensors, no host sync); add them over the step."""
+class ValueLossMetrics(WeightedSums):
+    """The value loss's weighted sums of one micro-batch (types.WeightedSums: add them over the step)."""
     value_loss: torch.Tensor       # [] the clipped squared error
     value_clipfrac: torch.Tensor   # [] share of tokens whose value moved further than --value-clip
-
-    def __add__(self, other: "ValueLossMetrics") -> "ValueLossMetrics":
-        return ValueLossMetrics(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
-
-    def stacked(self) -> torch.Tensor:
-        """[K] for one all-reduce and one host copy."""
-        return torch.stack([getattr(self, f.name) for f in fields(self)])
-
-    @classmethod
-    def zeros(cls, device: torch.device | str = "cpu") -> "ValueLossMetrics":
-        return cls(*(torch.zeros((), device=device) for _ in fields(cls)))
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, weight: torch.Tensor,

@@ -19,6 +19,7 @@ from furlong.config import Config
 from furlong.models.decoder import Transformer
 from furlong.trainer.fsdp import compute_dtype
 from furlong.models.hf_config import ModelArgs
+from furlong.trainer.trainer_config import BatchingConfig
 from furlong.types import TrainSample
 
 
@@ -77,10 +78,15 @@ class Bench:
 
     def actor(self):
         if self._actor is None:
-            from furlong.run.specs import actor_spec
+            from furlong.config_map import actor_config
             from furlong.trainer.actor import Actor
-            self._actor = Actor(self.random_model(), actor_spec(self.config()), self.ctx)
+            self._actor = Actor(self.random_model(), actor_config(self.config()), self.ctx)
         return self._actor
+
+    def steps(self) -> BatchingConfig:
+        """The workload's micro-batch plan (what the loop passes the trainers)."""
+        from furlong.config_map import batching_config
+        return batching_config(self.config())
 
     def release_actor(self) -> None:
         """Drop the actor and everything that pins it: compiled code caches hold references to the

@@ -30,46 +30,41 @@ TIMED_TRAIN_STEPS = 3
 
 
 def part_train(b: Bench) -> TrainResult:
-    from furlong.run.specs import passes
+    from furlong.config_map import passes_config
     from furlong.trainer.planning import balance_stats, plan_micro_batches, split_across_ranks
-    actor, dev, samples = b.actor(), b.device, b.train_samples()
+    actor, dev, samples, steps = b.actor(), b.device, b.train_samples(), b.steps()
     lengths = [s.num_tokens for s in samples]
     num_tokens = sum(lengths)
-    actor.compute_log_probs(samples, "old")                                     # warm-up
+    actor.compute_log_probs(samples, steps, "old")                              # warm-up
     reset_peak(dev)
-    _, logp_s = timed(lambda: actor.compute_log_probs(samples, "old"), dev)
+    _, logp_s = timed(lambda: actor.compute_log_probs(samples, steps, "old"), dev)
     logp_peak = peak_gib(dev)
-    actor.train_step(samples)                                                   # warm-up
+    actor.train_step(samples, steps)                                            # warm-up
     reset_peak(dev)
-    # the median of a few steps: one timed step was seen off by 30% on the H200 (BENCHMARKS.md, session 5)
-    runs = [timed(lambda: actor.train_step(samples), dev) for _ in range(TIMED_TRAIN_STEPS)]
+    # the median of a few steps: a single timed step has been seen 30% off on the H200
+    runs = [timed(lambda: actor.train_step(samples, steps), dev) for _ in range(TIMED_TRAIN_STEPS)]
     tm, train_all = runs[-1][0], [s for _, s in runs]
     train_s = statistics.median(train_all)
     train_peak = peak_gib(dev)
     mine = split_across_ranks(lengths, b.ctx.world_size)[b.ctx.rank]
     stats = balance_stats([lengths[i] for i in mine], plan_micro_batches([lengths[i] for i in mine],
-                                                                         actor.max_tokens_per_gpu))
+                                                                         steps.max_tokens_per_gpu))
     num_params = sum(p.numel() for p in b.engine().parameters())
     mfu = train_mfu(num_params, num_tokens, train_s, dev, b.ctx.world_size) if dev.type == "cuda" else None
     print(f"[bench] train: log-probs {logp_s:.2f}s, train_step {train_s:.2f}s (median of "
           f"{', '.join(f'{t:.3f}' for t in train_all)}), {tm.num_micro_batches} micro-batches", flush=True)
 
     mbs1_s = mbs1_mb = None
-    dyn_spec = actor.spec
     try:
         if not b.w.compare_mbs1:
             raise _Skipped("train.compare_micro_batch_size_1 is false in the workload")
-        # Actor reads its step plan from self.spec at every step: swap it for the comparison.
-        actor.spec = dataclasses.replace(dyn_spec, steps=dataclasses.replace(
-            dyn_spec.steps, use_dynamic_batch_size=False, micro_batch_size=1))
-        tm1, mbs1_s = timed(lambda: actor.train_step(samples), dev)
+        mbs1 = dataclasses.replace(steps, use_dynamic_batch_size=False, micro_batch_size=1)
+        tm1, mbs1_s = timed(lambda: actor.train_step(samples, mbs1), dev)
         mbs1_mb = tm1.num_micro_batches
     except PartTimeout:
         raise
     except Exception as e:   # the comparison is optional; report why it is missing
         print(f"[bench] train: micro-batch-size 1 comparison skipped: {e}", flush=True)
-    finally:
-        actor.spec = dyn_spec
 
     sync_s, sync_bytes, note = None, None, "ok"
     try:
@@ -83,7 +78,7 @@ def part_train(b: Bench) -> TrainResult:
         note = f"weight sync unavailable: {e!r}"
     return TrainResult(
         world_size=b.ctx.world_size, num_samples=len(samples), num_tokens=num_tokens,
-        reuses_old_log_probs=passes(b.config()).old == "training",
+        reuses_old_log_probs=passes_config(b.config()).old == "training",
         log_probs_s=logp_s, log_probs_tok_per_s=rate(num_tokens, logp_s), log_probs_peak_gib=logp_peak,
         train_step_s=train_s, train_step_s_all=train_all, train_tok_per_s=rate(num_tokens, train_s),
         train_mfu=mfu, train_peak_gib=train_peak,
@@ -139,7 +134,6 @@ def part_budget(b: Bench) -> BudgetResult:
     except Exception as e:
         auto, note = None, f"memory_probe failed: {e!r}"
     print(f"[bench] budget auto: {auto} ({note})", flush=True)
-    saved = actor.max_tokens_per_gpu
     # Without recompute first; then the budgets that ran out of memory again with
     # --gradient-checkpointing (the log-prob forward has no activations to recompute).
     plan = [(budget, False) for budget in b.w.budgets]
@@ -152,9 +146,10 @@ def part_budget(b: Bench) -> BudgetResult:
                 free_memory(dev)
                 actor = b.actor()
                 actor.model.gradient_checkpointing = True
-            actor.max_tokens_per_gpu = budget   # the Actor plans with this attribute at every step
-            t_status, t_s, t_peak = _guarded_measure(lambda: actor.train_step(samples), dev, actor)
-            l_status, l_s, l_peak = _guarded_measure(lambda: actor.compute_log_probs(samples, "old"), dev, actor)
+            steps = dataclasses.replace(b.steps(), max_tokens_per_gpu=budget)
+            t_status, t_s, t_peak = _guarded_measure(lambda: actor.train_step(samples, steps), dev, actor)
+            l_status, l_s, l_peak = _guarded_measure(lambda: actor.compute_log_probs(samples, steps, "old"), dev,
+                                                     actor)
             rows.append(BudgetRow(
                 max_tokens_per_gpu=budget, num_micro_batches=len(plan_micro_batches(lengths, budget)),
                 train_status=t_status, train_s=t_s, train_tok_per_s=None if t_s is None else rate(num_tokens, t_s),
@@ -166,7 +161,6 @@ def part_budget(b: Bench) -> BudgetResult:
             if not ckpt and t_status != "ok":
                 plan.append((budget, True))
     finally:
-        actor.max_tokens_per_gpu = saved
         actor.model.gradient_checkpointing = False
         actor = None
     return BudgetResult(rows=rows, auto_max_tokens=auto, auto_note=note)

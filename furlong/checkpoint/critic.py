@@ -1,6 +1,6 @@
 """The critic's checkpoints, beside the actor's (docs/design.md §8).
 
-The critic goes through the actor's atomic machinery (checkpoint.py: DCP shards of model and
+The critic goes through the actor's atomic machinery (store.py: DCP shards of model and
 optimizer, scheduler, the tracker written last) into a directory of its own, --critic-save,
 by default --save + "_critic": miles' default, a sibling so that the two trackers never
 clobber each other. It is saved BEFORE the actor's checkpoint of the same rollout, so that
@@ -15,8 +15,12 @@ critic starts from an HF checkpoint, and --load only ever names a training run.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from furlong.checkpoint.store import SaveError, iter_dir, load_checkpoint, save_checkpoint
+
+if TYPE_CHECKING:
+    from furlong.trainer.critic import Critic
 
 
 def check_critic_resume(critic_load: str, iteration: int) -> None:
@@ -27,7 +31,7 @@ def check_critic_resume(critic_load: str, iteration: int) -> None:
                          f"(a ppo run saves its critic beside the actor's checkpoints)")
 
 
-def save_critic(critic_save: str, critic, rollout_id: int) -> Path:
+def save_critic(critic_save: str, critic: Critic, rollout_id: int) -> Path:
     """Save the critic after `rollout_id` into `critic_save` (every rank calls; before the actor's save, see above)."""
     try:
         return save_checkpoint(critic_save, critic, rollout_id)
@@ -35,7 +39,7 @@ def save_critic(critic_save: str, critic, rollout_id: int) -> Path:
         raise SaveError(str(e).replace("--save:", "--critic-save:", 1)) from e
 
 
-def load_critic(critic_load: str, critic, iteration: int) -> None:
+def load_critic(critic_load: str, critic: Critic, iteration: int) -> None:
     """Restore the critic of the actor's iteration `iteration` from `critic_load` (every rank calls)."""
     try:
         load_checkpoint(critic_load, critic, iteration)

@@ -2,7 +2,7 @@
 
 One save and one resume for the loop and run set-up, so the order rule lives in one place: the
 critic's iter_N is written BEFORE the actor's, so a complete actor iter_N implies the critic's
-(critic_checkpoint.py says why); on resume both load the actor's chosen iteration.
+(checkpoint/critic.py says why); on resume both load the actor's chosen iteration.
 """
 from __future__ import annotations
 
@@ -20,28 +20,30 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class CheckpointPaths:
-    """Where a run saves and resumes (specs.checkpoint_paths resolves the critic's defaults)."""
+class CheckpointConfig:
+    """Where and when a run saves, and where it resumes from (config_map.checkpoint_config resolves the
+    critic's defaults)."""
     save: str | None                 # --save: the actor's checkpoints (None: never saved)
+    save_interval: int | None        # --save-interval: after every K-th rollout (the final state is saved anyway)
     load: str | None                 # --load: the run to resume
     critic_save: str | None          # --critic-save (default --save + "_critic")
     critic_load: str | None          # --critic-load (default --load + "_critic")
     source: str | None               # --hf-checkpoint, recorded in the actor's checkpoints for `furlong export`
 
 
-def save_run(paths: CheckpointPaths, actor: Actor, critic: Critic | None, dataset: PromptDataset,
+def save_run(cfg: CheckpointConfig, actor: Actor, critic: Critic | None, dataset: PromptDataset,
              rollout_id: int) -> Path:
     """Save after `rollout_id` into --save (every rank calls); returns the actor's iter_* directory."""
     if critic is not None:
-        save_critic(paths.critic_save, critic, rollout_id)
-    return save_checkpoint(paths.save, actor, rollout_id, sampler_state=dataset.state_dict(), source=paths.source)
+        save_critic(cfg.critic_save, critic, rollout_id)
+    return save_checkpoint(cfg.save, actor, rollout_id, sampler_state=dataset.state_dict(), source=cfg.source)
 
 
-def load_run(paths: CheckpointPaths, actor: Actor, critic: Critic | None, dataset: PromptDataset,
+def load_run(cfg: CheckpointConfig, actor: Actor, critic: Critic | None, dataset: PromptDataset,
              iteration: int) -> ResumeState:
     """Restore iteration `iteration` of --load (checked by run set-up) into actor, critic and dataset."""
-    state = load_checkpoint(paths.load, actor, iteration)
+    state = load_checkpoint(cfg.load, actor, iteration)
     if critic is not None:
-        load_critic(paths.critic_load, critic, iteration)
+        load_critic(cfg.critic_load, critic, iteration)
     dataset.load_state_dict(state.sampler_state)
     return state

@@ -1,7 +1,8 @@
 """Resumable checkpoints (docs/design.md §8).
 
 Layout under `--save DIR`:
-    DIR/iter_0000005/                       after rollout_id 4 (iteration = rollout_id + 1)
+    DIR/iter_0000005/                       after rollout_id 4: a checkpoint's "iteration" counts the
+                                            rollouts done (rollout_id + 1), as miles numbers them
         *.distcp, .metadata                 sharded model + optimizer (torch.distributed.checkpoint)
         trainer_rank{r}.pt                  per-rank: RNG states (torch, cuda, python, numpy)
         trainer.pt                          rank 0: scheduler, data-sampler state, rollout_id,
@@ -13,7 +14,8 @@ renames it to `iter_0000005/` and only then replaces the tracker file (temp file
 fsync + os.replace). A crash at any point leaves the tracker naming the previous,
 complete checkpoint; a stale `.tmp` directory is removed by the next save.
 Every iteration is kept (as in miles); `--load DIR --ckpt-step N` loads an
-earlier one, and `checkpoint_verify.py` checks the one chosen before a run writes.
+earlier one, and `verify.py` checks the one chosen before a run writes. `actor` below is either
+trainer (the critic's checkpoints use the same functions, checkpoint/critic.py).
 
 Model and optimizer state go through `get_state_dict`/`set_state_dict`, so the
 files are keyed by parameter name (FQN) and can be loaded at another world size.
@@ -37,7 +39,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
 import torch
@@ -47,6 +49,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from furlong.checkpoint.verify import TRACKER, iteration_path, latest_iteration, shape_mismatch
 from furlong.launch.distributed import barrier
+
+if TYPE_CHECKING:
+    from furlong.trainer.base import Trainer
 
 SLEEP_ENV = "FURLONG_CKPT_SLEEP_MID_SAVE"
 FAULT_ENV = "FURLONG_CKPT_FAULT"
@@ -106,7 +111,7 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def save_checkpoint(save_dir: str | os.PathLike, actor: Any, rollout_id: int,
+def save_checkpoint(save_dir: str | os.PathLike, actor: Trainer, rollout_id: int,
                     sampler_state: dict[str, Any] | None = None, source: str | None = None) -> Path:
     """Save after `rollout_id` finished; every rank must call. Returns the iter_* directory.
     `source`: the HF checkpoint the run started from, recorded so `furlong export` needs no --hf-checkpoint."""
@@ -169,9 +174,9 @@ def _check_finite(model_sd: dict[str, Any], path: Path) -> None:
                          "(damaged checkpoint?)")
 
 
-def load_checkpoint(load_dir: str | os.PathLike, actor: Any, iteration: int | None = None) -> ResumeState | None:
+def load_checkpoint(load_dir: str | os.PathLike, actor: Trainer, iteration: int | None = None) -> ResumeState | None:
     """Restore iteration `iteration` (default: the tracker's) into `actor` (every rank calls); None if
-    there is no checkpoint. Run set-up has verified it already (checkpoint_verify.choose_checkpoint)."""
+    there is no checkpoint. Run set-up has verified it already (verify.choose_checkpoint)."""
     iteration = latest_iteration(load_dir) if iteration is None else iteration
     if iteration is None:
         return None

@@ -1,1 +1,1 @@
-
+"""furlong.commands: the `furlong sft`, `export`, `demo` and `plot` commands."""

@@ -30,14 +30,13 @@ Presets (`--device`):
   result (tasks/synthetic.py, early_stop_solution), as distilled solutions that quit before the
   work is done. The format is already right; what the SFT data teaches wrongly is to stop (above
   one half, stopping is the likelier continuation after the first step, so greedy decoding stops
-  while some samples finish). Nothing but the reward tells GRPO to finish the work. Measured on one H200 (BENCHMARKS.md, session 5; seed 0, 350 s in all): greedy
-  29.4% -> 71.2%, sampled 29.8% -> 65.5%, mean response length 19.6 -> 26.3 tokens. Tried first
-  (session 5): numbers up to 99, where the 14M model's arithmetic is the limit (+9 and +11 points in
-  200 rollouts at lr 1e-5 and 3e-5); before (session 4) half the SFT solutions without the worked
-  steps (+3 points at best, 21.2% -> 24.4%).
+  while some samples finish). Nothing but the reward tells GRPO to finish the work. Measured on one
+  H200 (BENCHMARKS.md; seed 0, 350 s in all): greedy 29.4% -> 71.2%, sampled 29.8% -> 65.5%, mean
+  response length 19.6 -> 26.3 tokens. Tried first on the H200: numbers up to 99, where the 14M
+  model's arithmetic is the limit (+9 and +11 points in 200 rollouts at lr 1e-5 and 3e-5); half the
+  SFT solutions without the worked steps (+3 points at best, 21.2% -> 24.4%).
 - "quick": plumbing only, for tests/test_demo.py.
-`--set NAME=VALUE` overrides one DemoScale field (repeatable), for trying task difficulty or
-learning rates without editing code.
+`--set NAME=VALUE` overrides one DemoScale field (repeatable): task difficulty, learning rates.
 """
 from __future__ import annotations
 
@@ -93,7 +92,7 @@ PRESETS = {
     # result), so that stopping is the fine-tuned model's likelier continuation after the first step
     # while some of its samples finish the work. GRPO (lr 3e-5, two optimizer steps
     # per rollout, an 8-step warm-up) has only the reward to teach it to finish. Tried on the H200
-    # (BENCHMARKS.md, session 5), 200 rollouts: this task +32.8 points (29.4% -> 62.2%); with numbers
+    # (BENCHMARKS.md), 200 rollouts: this task +32.8 points (29.4% -> 62.2%); with numbers
     # up to 99 the arithmetic is the limit (13.4% -> 22.6% at lr 1e-5, -> 24.2% at 3e-5).
     "gpu": DemoScale(num_train=30000, num_test=500, max_number=50, max_factor=9, two_step_fraction=0.7,
                      sft_unboxed_fraction=0.0, sft_early_stop_fraction=0.65, vocab_size=512, hidden=384,

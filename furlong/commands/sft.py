@@ -19,6 +19,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,10 @@ from furlong.launch.signals import StopRequest
 from furlong.seeding import seed_everything
 from furlong.trainer.nonfinite import NonFiniteGuard
 from furlong.types import DistContext, TrainSample
+
+if TYPE_CHECKING:
+    from furlong.trainer.actor import Actor
+    from furlong.trainer.trainer_config import BatchingConfig
 
 
 def sft_samples(path_spec: str, tokenizer, input_key: str, max_len: int) -> list[TrainSample]:
@@ -93,7 +98,7 @@ def check_sft_outputs(cfg: Config, hf_checkpoint: Path) -> Path:
 def run_sft(cfg: Config, ctx: DistContext) -> int:
     from furlong.models.hf_io import load_pretrained
     from furlong.run.preflight import check_hf_checkpoint
-    from furlong.run.specs import actor_spec
+    from furlong.config_map import actor_config, batching_config
     from furlong.trainer.actor import Actor
 
     ckpt, _, tokenizer = check_hf_checkpoint(cfg.data.hf_checkpoint)
@@ -106,8 +111,9 @@ def run_sft(cfg: Config, ctx: DistContext) -> int:
     steps_per_epoch = len(samples) // gbs
     total = steps_per_epoch * cfg.sft.num_epoch
     seed_everything(cfg.parallel.seed)
-    actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=ctx.device), actor_spec(cfg, total_steps=total),
-                  ctx, loss="sft")
+    actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=ctx.device),
+                  actor_config(cfg, total_steps=total), ctx, loss="sft")
+    steps = batching_config(cfg)
     from furlong.launch.distributed import barrier
     barrier()   # every rank has checked the run directory before rank 0 writes into it
     if ctx.rank == 0 and cfg.log.overwrite and (out / "metrics.jsonl").exists():
@@ -117,7 +123,7 @@ def run_sft(cfg: Config, ctx: DistContext) -> int:
         from furlong.run.identity import new_run_id, run_record
         (out / "config.json").write_text(json.dumps(run_record(cfg, new_run_id()), indent=1, default=str))
     with StopRequest() as stop:
-        done, signum = _steps(cfg, ctx, actor, samples, gbs, steps_per_epoch, logger, stop)
+        done, signum = _steps(cfg, ctx, actor, steps, samples, gbs, steps_per_epoch, logger, stop)
     if cfg.ckpt.save is not None:   # also after a signal, as train's final save: the weights so far
         save_hf_checkpoint(actor.model, ckpt, cfg.ckpt.save, ctx.rank)
         if ctx.rank == 0:
@@ -131,7 +137,8 @@ def run_sft(cfg: Config, ctx: DistContext) -> int:
     return 0
 
 
-def _steps(cfg: Config, ctx: DistContext, actor, samples: list[TrainSample], gbs: int, steps_per_epoch: int,
+def _steps(cfg: Config, ctx: DistContext, actor: Actor, steps: BatchingConfig, samples: list[TrainSample], gbs: int,
+           steps_per_epoch: int,
            logger: MetricsLogger, stop: StopRequest) -> tuple[int, int | None]:
     """The SFT steps: (steps done, None or the signal that stopped them after a whole step)."""
     total = steps_per_epoch * cfg.sft.num_epoch
@@ -143,7 +150,7 @@ def _steps(cfg: Config, ctx: DistContext, actor, samples: list[TrainSample], gbs
         random.Random(cfg.parallel.seed + epoch).shuffle(order)   # same order on every rank
         for b in range(steps_per_epoch):
             batch = [samples[i] for i in order[b * gbs:(b + 1) * gbs]]
-            m = actor.train_step(batch)
+            m = actor.train_step(batch, steps)
             step += 1
             logger.log(step, {"sft/loss": m.loss, "train/grad_norm": m.grad_norm, "train/lr": m.lr,
                               "train/num_micro_batches": m.num_micro_batches,

@@ -8,7 +8,7 @@ Three ways a trainer process comes to life:
   * plain single process: no env vars; a one-rank group on a private port, so
     FSDP2 wraps the model the same way at every world size (one code path).
 
-Backend: nccl on CUDA, gloo on CPU. `all_reduce_sum` / `all_reduce_max` reduce
+Backend: nccl on CUDA, gloo on CPU. `all_reduce_max` reduces
 several Python numbers with ONE collective (stacked into one tensor) and one
 host copy; `all_gather_flat` gathers variable-length 1-D results in one call.
 
@@ -117,11 +117,6 @@ def _reduce(values: Sequence[float], op: Any, device: torch.device | None) -> li
     t = torch.tensor(vals, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=op)
     return t.tolist()  # host sync: the caller needs the numbers (one per call, by design)
-
-
-def all_reduce_sum(values: Sequence[float], device: torch.device | None = None) -> list[float]:
-    """Sum each value over ranks with one collective."""
-    return _reduce(values, dist.ReduceOp.SUM, device)
 
 
 def all_reduce_max(values: Sequence[float], device: torch.device | None = None) -> list[float]:

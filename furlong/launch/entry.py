@@ -48,7 +48,8 @@ def _run_failure_types() -> tuple[type, ...]:
     from furlong.launch.failure import RunStopped
     from furlong.trainer.nonfinite import NonFiniteError
     from furlong.rollout.filters import FilterError
-    return (RolloutError, CiFailure, RewardError, SaveError, NonFiniteError, FilterError, RunStopped)
+    from furlong.trainer.memory_plan import TrainerOutOfMemory
+    return (RolloutError, CiFailure, RewardError, SaveError, NonFiniteError, FilterError, RunStopped, TrainerOutOfMemory)
 
 
 def exit_code_for(e: BaseException) -> int | None:

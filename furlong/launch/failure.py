@@ -36,7 +36,7 @@ from typing import Any, Iterator
 DEBUG_ENV = "FURLONG_DEBUG"
 GRACE_S = 5.0        # how long a survivor waits for the other ranks to report before calling them lost
 # stage name the loop passes -> how the line says it ("the train step of rollout 3")
-STAGE_WORDS = {"rollout": "generation", "rewards": "reward shaping", "old_log_probs": "old log-prob pass",
+STAGE_WORDS = {"rollout": "generation", "shaping": "reward shaping", "old_log_probs": "old log-prob pass",
                "ref_log_probs": "reference log-prob pass", "values": "critic's value pass",
                "advantages": "advantage step", "critic_train": "critic train step", "actor_train": "train step",
                "update_weights": "weight sync", "eval": "eval", "save": "checkpoint save"}

@@ -12,7 +12,7 @@ Two implementations, picked in `select_packed_impl` (the one place):
 Attention never crosses a sample boundary in either.
 
 Both are single ops to torch.compile, so a whole decoder layer compiles into one graph around them
-(train/fsdp.py: compile_layers): the flash op has aten's meta kernel and inductor fallback; the
+(trainer/fsdp.py: compile_layers): the flash op has aten's meta kernel and inductor fallback; the
 per-sample loop (it reads cu_seqlens on the host) is wrapped as the custom op
 `furlong::packed_attention_ref`, with its own backward op, so compile treats it as opaque too.
 """

@@ -37,7 +37,7 @@ class ValueModel(nn.Module):
 
     @property
     def layers(self) -> nn.ModuleList:
-        """The decoder layers (FSDP shards each one; train/fsdp.py looks them up here)."""
+        """The decoder layers (FSDP shards each one; trainer/fsdp.py looks them up here)."""
         return self.decoder.layers
 
     @property

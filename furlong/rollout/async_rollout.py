@@ -25,7 +25,7 @@ from typing import Any, Callable, Coroutine
 from furlong.engine.async_front import AsyncEngine
 from furlong.rollout.custom_generate import GenerateArgs, GenerateError, GenerateSpec, run_generate
 from furlong.rollout.filters import GroupFilter
-from furlong.rollout.rollout import (RolloutBatch, RolloutError, RolloutSpec, _summarize, derive_seed, gather_lists,
+from furlong.rollout.rollout import (RolloutBatch, RolloutError, RolloutConfig, _summarize, derive_seed, gather_lists,
                                      rank_share, reward_groups)
 from furlong.types import DistContext, Group, Prompt, Sample
 
@@ -62,22 +62,23 @@ async def generate_group(gen: GenerateSpec, args: GenerateArgs, prompt: Prompt, 
 
 
 def generate_rollout_custom(dataset: Any, front: AsyncEngine, args: GenerateArgs, gen: GenerateSpec,
-                            reward_fn: Callable[[Sample], Any], filter_fn: GroupFilter | None, spec: RolloutSpec,
+                            reward_fn: Callable[[Sample], Any], filter_fn: GroupFilter | None, cfg: RolloutConfig,
                             ranks: DistContext | None, rollout_id: int) -> RolloutBatch:
-    return run_coroutine(_rollout(dataset, front, args, gen, reward_fn, filter_fn, spec, ranks, rollout_id))
+    return run_coroutine(_rollout(dataset, front, args, gen, reward_fn, filter_fn, cfg, ranks, rollout_id))
 
 
 async def _rollout(dataset: Any, front: AsyncEngine, args: GenerateArgs, gen: GenerateSpec,
-                   reward_fn: Callable[[Sample], Any], filter_fn: GroupFilter | None, spec: RolloutSpec,
+                   reward_fn: Callable[[Sample], Any], filter_fn: GroupFilter | None, cfg: RolloutConfig,
                    ranks: DistContext | None, rollout_id: int) -> RolloutBatch:
     started = time.perf_counter()
     front.engine.reset_stats()
-    target, per_batch, n = spec.rollout_batch_size, spec.over_sampling_batch_size, spec.n_samples_per_prompt
+    target, per_batch, n = cfg.rollout_batch_size, cfg.over_sampling_batch_size, cfg.n_samples_per_prompt
     limit = max(len(dataset), target)
     kept: list[Group] = []
     dropped: Counter[str] = Counter()
     tasks: list[asyncio.Task] = []
     in_flight = consumed = num_finished = num_late = num_failed = 0   # counts over all ranks
+    reward_seconds = 0.0
     try:
         while len(kept) < target:
             while len(kept) + in_flight < target and consumed < limit:
@@ -85,7 +86,7 @@ async def _rollout(dataset: Any, front: AsyncEngine, args: GenerateArgs, gen: Ge
                 share = rank_share(len(prompts), ranks)
                 for i in range(share.start, share.stop):
                     tasks.append(asyncio.ensure_future(generate_group(
-                        gen, args, prompts[i], consumed + i, n, spec.sampling, (spec.seed, rollout_id))))
+                        gen, args, prompts[i], consumed + i, n, cfg.sampling, (cfg.seed, rollout_id))))
                 consumed += len(prompts)
                 in_flight += len(prompts)
             if in_flight == 0:
@@ -96,7 +97,9 @@ async def _rollout(dataset: Any, front: AsyncEngine, args: GenerateArgs, gen: Ge
             tasks = [t for t in tasks if not t.done()]
             results = [t.result() for t in done]      # a GenerateError (stop on error) ends the run here
             groups = [g for g in results if isinstance(g, Group)]
+            t0 = time.perf_counter()
             reward_groups(groups, reward_fn)
+            reward_seconds += time.perf_counter() - t0
             finished = gather_lists([g if isinstance(g, Group) else int(g) for g in results], ranks)
             in_flight -= len(finished)
             num_finished += len(finished)
@@ -118,7 +121,7 @@ async def _rollout(dataset: Any, front: AsyncEngine, args: GenerateArgs, gen: Ge
     stats = front.engine.reset_stats()
     num_tokens = sum(gather_lists([stats.num_generated_tokens], ranks))
     metrics = _summarize(kept, dict(dropped), num_aborted, num_finished, num_tokens, time.perf_counter() - started,
-                         stats, num_failed=num_failed)
+                         reward_seconds, stats, num_failed=num_failed)
     return RolloutBatch(groups=kept, metrics=metrics)
 
 

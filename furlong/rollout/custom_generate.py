@@ -62,6 +62,14 @@ class GenerateArgs:
     config: Any = None               # the run's Config (its flags), when the run has one
 
 
+@dataclass(frozen=True)
+class GenerateConfig:
+    """What the custom generate/rollout paths read of the flags (config_map.generate_config)."""
+    max_context_len: int | None      # --rollout-max-context-len (None: the engine's max_model_len)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)   # --apply-chat-template-kwargs, parsed
+    flags: Any = None                # the run's Config: GenerateArgs.config for user functions (miles' args)
+
+
 @dataclass
 class GenerateSpec:
     fn: GenerateFn

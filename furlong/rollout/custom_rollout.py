@@ -68,7 +68,9 @@ def run_custom_rollout(fn: Callable[..., Any], name: str, dataset: Any, front: A
     raw, extra = _groups(name, out)
     groups = [Group(group_id=i, samples=[_checked(name, s, i, j, args.max_context_len) for j, s in enumerate(g)])
               for i, g in enumerate(raw)]
+    t0 = time.perf_counter()
     reward_groups(groups, reward_fn)
+    reward_seconds = time.perf_counter() - t0
     groups = gather_lists(groups, ranks)
     got = sum(len(g.samples) for g in groups)
     if got != num_samples:
@@ -76,6 +78,7 @@ def run_custom_rollout(fn: Callable[..., Any], name: str, dataset: Any, front: A
                             "(--rollout-batch-size x --n-samples-per-prompt)")
     stats = front.engine.reset_stats()
     num_tokens = sum(gather_lists([stats.num_generated_tokens], ranks))
-    metrics = _summarize(groups, {}, 0, len(groups), num_tokens, time.perf_counter() - started, stats)
+    metrics = _summarize(groups, {}, 0, len(groups), num_tokens, time.perf_counter() - started, reward_seconds,
+                         stats)
     metrics.custom = {f"rollout/custom/{k}": float(v) for k, v in extra.items()}
     return RolloutBatch(groups=groups, metrics=metrics)

@@ -10,18 +10,23 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from furlong.engine.sampling import SamplingParams
 from furlong.engine.sequence import Request
 from furlong.rollout.rollout import derive_seed, gather_lists, rank_share, reward_groups, to_group
 from furlong.types import DistContext, Prompt, Sample
 
+if TYPE_CHECKING:
+    from furlong.engine import Engine
 
-@dataclass
-class EvalSpec:
+
+@dataclass(frozen=True)
+class EvalConfig:
     sampling: SamplingParams         # eval settings, each falling back to the rollout's; seed --rollout-seed
     n_samples_per_prompt: int        # --n-samples-per-eval-prompt
+    interval: int | None             # --eval-interval: after every K-th rollout (None: never during training)
+    before_train: bool               # also before the first rollout (not --skip-eval-before-train)
 
 
 @dataclass
@@ -32,10 +37,8 @@ class EvalResult:
     samples: list[Sample]     # ordered by prompt, then sample index; group_id = prompt index
 
 
-def run_eval(name: str, prompts: list[Prompt], engine: Any, reward_fn: Callable[[Sample], Any],
+def run_eval(name: str, prompts: list[Prompt], engine: Engine, reward_fn: Callable[[Sample], Any],
              params: SamplingParams, n_samples: int, ranks: DistContext | None) -> EvalResult:
-    if n_samples < 1:
-        raise ValueError(f"--n-samples-per-eval-prompt: must be >= 1, got {n_samples}")
     if not prompts:
         raise ValueError(f"--eval-prompt-data: eval set {name!r} has no prompts")
     base = params.seed if params.seed is not None else random.getrandbits(63)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -42,6 +42,10 @@ from furlong.rewards.registry import compute_rewards
 from furlong.rollout.filters import GroupFilter
 from furlong.types import DistContext, Group, Prompt, Sample
 
+if TYPE_CHECKING:   # the engine is built by run set-up; tests pass stand-ins with the same methods
+    from furlong.data import PromptDataset
+    from furlong.engine import Engine
+
 
 REPORT_EVERY_S = 10.0   # seconds between progress lines inside one rollout
 
@@ -50,7 +54,7 @@ def _print_line(text: str) -> None:
     print(text, flush=True)
 
 
-def give_up_rule(spec: RolloutSpec, num_prompts: int, filter_name: str) -> str:
+def give_up_rule(spec: RolloutConfig, num_prompts: int, filter_name: str) -> str:
     """The bound of the module docstring, in words, for the run's start."""
     limit = max(num_prompts, spec.rollout_batch_size)
     return (f"dynamic sampling filter {filter_name}: each rollout keeps {spec.rollout_batch_size} groups of "
@@ -62,11 +66,12 @@ class RolloutError(RuntimeError):
     """The rollout cannot produce the groups it was asked for."""
 
 
-@dataclass
-class RolloutSpec:
+@dataclass(frozen=True)
+class RolloutConfig:
     rollout_batch_size: int          # groups kept per rollout
     n_samples_per_prompt: int        # samples per group
-    over_sampling_batch_size: int    # prompts drawn per submitted batch
+    over_sampling_batch_size: int    # prompts drawn per submitted batch (--over-sampling-batch-size, default
+                                     # --rollout-batch-size: config_map resolves it)
     sampling: SamplingParams         # its seed is ignored: each group derives its own
     seed: int                        # --rollout-seed
     max_context_len: int | None = None   # --rollout-max-context-len: prompt + response tokens of a sample
@@ -84,6 +89,7 @@ class RolloutMetrics:
     rollout_log_probs: float         # mean engine log-prob over kept response tokens
     num_generated_tokens: int        # response tokens generated over all ranks (aborted ones too)
     seconds: float                   # wall clock of the whole rollout
+    reward_seconds: float            # of which in reward functions (this rank's groups)
     engine: dict[str, float] = field(default_factory=dict)   # this rank's engine counters (perf/*)
     trained_tokens_mean: float = 0.0     # loss-mask tokens per kept sample (model tokens; tool tokens excluded)
     turns_mean: float = 1.0              # model turns per kept sample
@@ -105,6 +111,7 @@ class RolloutMetrics:
             "rollout/custom_generate/num_failed": float(self.num_failed_samples),
             "perf/rollout_time": self.seconds,
             "perf/rollout_tok_per_s": self.num_generated_tokens / max(self.seconds, 1e-9),
+            "perf/reward_time": self.reward_seconds,
             **self.engine,
             **self.custom,
         }
@@ -178,8 +185,8 @@ class _Submitted:
         return groups
 
 
-def generate_rollout(dataset: Any, engine: Any, reward_fn: Callable[[Sample], Any],
-                     filter_fn: GroupFilter | None, spec: RolloutSpec, ranks: DistContext | None,
+def generate_rollout(dataset: PromptDataset, engine: Engine, reward_fn: Callable[[Sample], Any],
+                     filter_fn: GroupFilter | None, cfg: RolloutConfig, ranks: DistContext | None,
                      rollout_id: int, report: Callable[[str], None] | None = _print_line,
                      report_every_s: float = REPORT_EVERY_S) -> RolloutBatch:
     """Generate, reward and filter until `rollout_batch_size` groups are kept (module docstring).
@@ -189,12 +196,13 @@ def generate_rollout(dataset: Any, engine: Any, reward_fn: Callable[[Sample], An
         report = None
     last_report = started
     engine.reset_stats()
-    target, per_batch, n = spec.rollout_batch_size, spec.over_sampling_batch_size, spec.n_samples_per_prompt
+    target, per_batch, n = cfg.rollout_batch_size, cfg.over_sampling_batch_size, cfg.n_samples_per_prompt
     limit = max(len(dataset), target)
     kept: list[Group] = []
     dropped: Counter[str] = Counter()
     mine = _Submitted()
     in_flight = consumed = num_finished = num_tokens = num_late = 0   # counts over all ranks
+    reward_seconds = 0.0
     while len(kept) < target:
         while len(kept) + in_flight < target and consumed < limit:
             prompts = dataset.next_batch(per_batch)
@@ -202,9 +210,9 @@ def generate_rollout(dataset: Any, engine: Any, reward_fn: Callable[[Sample], An
             for i in range(share.start, share.stop):
                 gid = consumed + i
                 rid = engine.new_request_id()
-                engine.add(Request(request_id=rid, prompt_ids=prompts[i].token_ids, params=spec.sampling, n=n,
-                                   seed=derive_seed(spec.seed, rollout_id, gid),
-                                   sample_max_new_tokens=context_cap(spec, len(prompts[i].token_ids))))
+                engine.add(Request(request_id=rid, prompt_ids=prompts[i].token_ids, params=cfg.sampling, n=n,
+                                   seed=derive_seed(cfg.seed, rollout_id, gid),
+                                   sample_max_new_tokens=context_cap(cfg, len(prompts[i].token_ids))))
                 mine.requests[rid] = (prompts[i], gid, [])
             consumed += len(prompts)
             in_flight += len(prompts)
@@ -213,7 +221,9 @@ def generate_rollout(dataset: Any, engine: Any, reward_fn: Callable[[Sample], An
                 f"dynamic sampling filter kept {len(kept)}/{target} groups after a full pass over {consumed} "
                 f"prompts (data set has {len(dataset)}); rewards may all be equal (e.g. all 0)")
         finished = mine.collect(engine.step() if engine.has_work() else [], n)
+        t = time.perf_counter()
         reward_groups(finished, reward_fn)
+        reward_seconds += time.perf_counter() - t
         finished = gather_lists(finished, ranks)
         in_flight -= len(finished)
         num_finished += len(finished)
@@ -237,16 +247,16 @@ def generate_rollout(dataset: Any, engine: Any, reward_fn: Callable[[Sample], An
     num_tokens += sum(gather_lists([len(c.token_ids) for c in aborted], ranks))
     stats = engine.reset_stats()
     metrics = _summarize(kept, dict(dropped), num_aborted, num_finished, num_tokens,
-                         time.perf_counter() - started, stats)
+                         time.perf_counter() - started, reward_seconds, stats)
     return RolloutBatch(groups=kept, metrics=metrics)
 
 
-def context_cap(spec: RolloutSpec, num_prompt_tokens: int) -> list[int] | None:
+def context_cap(cfg: RolloutConfig, num_prompt_tokens: int) -> list[int] | None:
     """Per-sample max_new_tokens when --rollout-max-context-len leaves less room than the response limit."""
-    if spec.max_context_len is None:
+    if cfg.max_context_len is None:
         return None
-    room = spec.max_context_len - num_prompt_tokens
-    return None if room >= spec.sampling.max_new_tokens else [room] * spec.n_samples_per_prompt
+    room = cfg.max_context_len - num_prompt_tokens
+    return None if room >= cfg.sampling.max_new_tokens else [room] * cfg.n_samples_per_prompt
 
 
 def engine_metrics(stats: Any) -> dict[str, float]:
@@ -261,7 +271,8 @@ def engine_metrics(stats: Any) -> dict[str, float]:
 
 
 def _summarize(kept: list[Group], dropped: dict[str, int], num_aborted: int, num_finished: int,
-               num_generated_tokens: int, seconds: float, stats: Any, num_failed: int = 0) -> RolloutMetrics:
+               num_generated_tokens: int, seconds: float, reward_seconds: float, stats: Any,
+               num_failed: int = 0) -> RolloutMetrics:
     samples = [s for g in kept for s in g.samples]
     lens = [len(s.response_ids) for s in samples]
     num = max(len(samples), 1)
@@ -274,6 +285,6 @@ def _summarize(kept: list[Group], dropped: dict[str, int], num_aborted: int, num
         response_len_mean=sum(lens) / num, response_len_max=max(lens, default=0),
         truncated_ratio=sum(s.truncated for s in samples) / num,
         rollout_log_probs=model_lp / max(num_trained, 1),   # model tokens only: tool tokens have no log-prob
-        num_generated_tokens=num_generated_tokens, seconds=seconds, engine=engine_metrics(stats),
-        trained_tokens_mean=num_trained / num, turns_mean=sum(s.num_turns for s in samples) / num,
-        num_failed_samples=num_failed)
+        num_generated_tokens=num_generated_tokens, seconds=seconds, reward_seconds=reward_seconds,
+        engine=engine_metrics(stats), trained_tokens_mean=num_trained / num,
+        turns_mean=sum(s.num_turns for s in samples) / num, num_failed_samples=num_failed)

@@ -1,9 +1,14 @@
-"""The RL loop of docs/design.md §2, top to bottom.
+"""The RL loop of docs/design.md §2: for each rollout id, the step's stages (run/step.py), then
+eval, the metrics line and the checkpoint.
 
 Every rank runs this same loop. Rollout is data-parallel (each rank generates
 its share of prompt groups, then all ranks exchange them), so every rank holds
-the same kept groups; the actor then splits the samples token-balanced across
-ranks for training. Only rank 0 writes files.
+the same kept groups; the trainers then split the samples token-balanced across
+ranks. Only rank 0 writes files.
+
+Counting: a run's iterations are rollout ids 0 .. --num-rollout - 1. metrics.jsonl's "step" is the
+rollout id (miles' name), and the checkpoint written after rollout id r is iter_{r + 1} (miles'
+numbering: iterations done), which --ckpt-step and latest_checkpointed_iteration.txt count too.
 """
 from __future__ import annotations
 
@@ -13,18 +18,18 @@ from dataclasses import dataclass
 
 import torch
 
+from furlong.checkpoint.run import save_run
 from furlong.config import Config
-from furlong.run.metrics import Progress, progress_line, write_samples
-from furlong.run.rollout_step import eval_step
-from furlong.run.user_functions import UserFunctions
-from furlong.run.setup import RunParts, build_run
 from furlong.launch.failure import Position
 from furlong.launch.signals import StopRequest
-from furlong.run.specs import checkpoint_paths, eval_spec, step_settings
-from furlong.run.step import StageClock, rl_step
+from furlong.run.rollout_step import eval_step
+from furlong.run.metrics import Progress, progress_line, write_samples
+from furlong.run.setup import RunParts, build_run
+from furlong.run.user_functions import UserFunctions
+from furlong.trainer.memory_plan import TrainerOutOfMemory, out_of_memory_line
+from furlong.run.step import StageClock, StepOutput, rl_step
 from furlong.trainer.mfu import mfu
 from furlong.trainer.nonfinite import NonFiniteGuard
-from furlong.checkpoint.run import save_run
 from furlong.types import DistContext
 
 
@@ -61,12 +66,12 @@ class CiFailure(RuntimeError):
 
 
 def _run_evals(parts: RunParts, rollout_id: int) -> dict[str, float]:
-    spec, out = eval_spec(parts.cfg), {}
+    cfg, out = parts.config.eval, {}
     for name, prompts in parts.eval_sets:
         t = time.perf_counter()
-        n = spec.n_samples_per_prompt
+        n = cfg.n_samples_per_prompt
         parts.logger.line(f"[eval {name}] generating {len(prompts)} prompts x {n} samples ...")
-        res = eval_step(parts, name, prompts, spec)   # frees the KV cache, as after a rollout
+        res = eval_step(parts, name, prompts, cfg)   # frees the KV cache, as after a rollout
         parts.logger.line(f"[eval {name}] {res.score:.3f} ({res.num_samples} samples, {time.perf_counter() - t:.1f}s)")
         out[f"eval/{name}"] = res.score
         if parts.ctx.rank == 0:
@@ -76,7 +81,7 @@ def _run_evals(parts: RunParts, rollout_id: int) -> dict[str, float]:
 
 def _save(parts: RunParts, rollout_id: int) -> None:
     t = time.perf_counter()
-    path = save_run(checkpoint_paths(parts.cfg), parts.actor, parts.critic, parts.dataset, rollout_id)
+    path = save_run(parts.config.checkpoint, parts.actor, parts.critic, parts.dataset, rollout_id)
     parts.logger.line(f"saved checkpoint {path} (after rollout {rollout_id + 1}, {time.perf_counter() - t:.1f}s)")
 
 
@@ -85,14 +90,11 @@ def run_rl(cfg: Config, ctx: DistContext, position: Position | None = None, user
     `user`: the Python API's callables in place of module-path flags (api.py)."""
     position = position or Position(rank=ctx.rank)
     parts = build_run(cfg, ctx, with_actor=True, user=user)   # validates every input before anything is written
-    logger = parts.logger
-    ci = CiChecker(cfg.log.ci_metric_checker_key if cfg.log.ci_test else None,
-                   cfg.log.ci_metric_checker_threshold,
-                   cfg.log.ci_test and not cfg.log.ci_disable_kl_checker and not cfg.algo.use_rollout_logprobs)
-    num_rollout = cfg.rollout.num_rollout
-    progress = Progress(num_rollout, start_step=parts.start_rollout)
+    config, logger = parts.config, parts.logger
+    ci = CiChecker(config.ci_metric_key, config.ci_threshold, config.ci_check_kl)
+    progress = Progress(config.num_rollout, start_step=parts.start_rollout)
 
-    if parts.eval_sets and not cfg.eval.skip_eval_before_train and parts.start_rollout == 0:
+    if parts.eval_sets and config.eval.before_train and parts.start_rollout == 0:
         t = time.perf_counter()
         m = _run_evals(parts, -1)
         ci.observe(m)
@@ -104,8 +106,9 @@ def run_rl(cfg: Config, ctx: DistContext, position: Position | None = None, user
     if code:
         logger.close()
         return code
-    if cfg.ckpt.save is not None and num_rollout > parts.start_rollout and not (
-            cfg.ckpt.save_interval and num_rollout % cfg.ckpt.save_interval == 0):
+    num_rollout, ckpt = config.num_rollout, config.checkpoint
+    if ckpt.save is not None and num_rollout > parts.start_rollout and not (
+            ckpt.save_interval and num_rollout % ckpt.save_interval == 0):
         with position.stage("save", num_rollout - 1):
             _save(parts, num_rollout - 1)   # always leave the final state on disk
     logger.close()
@@ -113,56 +116,62 @@ def run_rl(cfg: Config, ctx: DistContext, position: Position | None = None, user
     return 0
 
 
-def _rollouts(parts: RunParts, ci: "CiChecker", progress: Progress, stop: StopRequest, position: Position) -> int:
+def _step_metrics(parts: RunParts, step: StepOutput, clock: StageClock) -> dict[str, float]:
+    """The step's metrics line: the stages' own, their perf/<stage>_time, and the rates derived from them."""
+    ctx, metrics = parts.ctx, {**step.metrics, **clock.seconds}
+    # the name miles' dashboards read: both log-prob passes (0 when the training forward supplies them)
+    metrics["perf/log_probs_time"] = (clock.seconds.get("perf/old_log_probs_time", 0.0)
+                                      + clock.seconds.get("perf/ref_log_probs_time", 0.0))
+    metrics["perf/step_time"] = clock.elapsed()
+    if step.train is not None:
+        t_train, num_train_tokens = clock.seconds["perf/actor_train_time"], sum(s.num_tokens for s in step.samples)
+        metrics["perf/actor_train_tok_per_s"] = num_train_tokens / max(t_train, 1e-9)
+        # 6*N FLOPs per token over the peak of the GPUs in use (trainer/mfu.py)
+        metrics["perf/actor_train_mfu"] = mfu(parts.num_params, num_train_tokens, t_train, ctx.device, ctx.world_size)
+    if torch.cuda.is_available():
+        metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
+    return metrics
+
+
+def _rollouts(parts: RunParts, ci: CiChecker, progress: Progress, stop: StopRequest, position: Position) -> int:
     """The RL steps; 0, or 128 + signal when a SIGINT/SIGTERM stopped the run after a whole step."""
-    cfg, ctx, logger = parts.cfg, parts.ctx, parts.logger
-    num_rollout, eval_every = cfg.rollout.num_rollout, cfg.eval.eval_interval
-    settings = step_settings(cfg)
-    skips = NonFiniteGuard(cfg.optim.max_nonfinite_skips)
+    config, ctx, logger = parts.config, parts.ctx, parts.logger
+    num_rollout, eval_every, ckpt = config.num_rollout, config.eval.interval, config.checkpoint
+    skips = NonFiniteGuard(parts.config.max_nonfinite_skips)
     for rollout_id in range(parts.start_rollout, num_rollout):
         clock = StageClock(position, rollout_id)
-        step = rl_step(parts, settings, rollout_id, clock)    # rollout ... weight sync (run/step.py)
-        metrics = step.metrics
-        if step.train is not None and rollout_id == cfg.algo.num_critic_only_steps:
+        try:
+            step = rl_step(parts, rollout_id, clock)                 # rollout ... weight sync (run/step.py)
+        except torch.OutOfMemoryError as e:   # one line, not a traceback: the saved state is untouched
+            raise TrainerOutOfMemory(out_of_memory_line(clock.current, rollout_id, parts.config.steps)) from e
+        if step.train is not None and rollout_id == config.num_critic_only_steps:
             ci.check_first_step_kl(step.train.ppo_kl)
-        if cfg.log.save_debug_rollout_data and ctx.rank == 0:
+        if config.save_debug_rollout_data and ctx.rank == 0:
             write_samples(parts.output_dir, "train", rollout_id, step.batch.samples, prefix="rollout")
         if eval_every is not None and parts.eval_sets and (rollout_id + 1) % eval_every == 0:
             m = clock.run("eval", _run_evals, parts, rollout_id)
             ci.observe(m)
-            metrics.update(m)
-        metrics.update(clock.seconds)
-        # the name miles' dashboards read: both log-prob passes (0 when the training forward supplies them)
-        metrics["perf/log_probs_time"] = (clock.seconds.get("perf/old_log_probs_time", 0.0)
-                                          + clock.seconds.get("perf/ref_log_probs_time", 0.0))
-        metrics["perf/step_time"] = clock.elapsed()
-        if step.train is not None:
-            t_train, num_train_tokens = clock.seconds["perf/actor_train_time"], sum(s.num_tokens for s in step.samples)
-            metrics["perf/actor_train_tok_per_s"] = num_train_tokens / max(t_train, 1e-9)
-            # 6*N FLOPs per token over the peak of the GPUs in use (trainer/mfu.py)
-            metrics["perf/actor_train_mfu"] = mfu(parts.num_params, num_train_tokens, t_train, ctx.device,
-                                                  ctx.world_size)
-        if torch.cuda.is_available():
-            metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            torch.cuda.reset_peak_memory_stats()
+            step.metrics.update(m)
+        metrics = _step_metrics(parts, step, clock)
         # The metrics line is on disk before the checkpoint's tracker moves past this rollout: a crash
         # between the two repeats the line on resume (cut back then), never loses it.
         logger.log(rollout_id, metrics)
+        logger.line(progress_line(rollout_id, num_rollout, metrics, progress.eta(rollout_id + 1)))
         if "train/num_steps" in metrics:   # --max-nonfinite-skips, once the step's line is on disk
             skips.observe(int(metrics["train/num_steps"]), int(metrics["train/num_skipped_steps"]),
                           f"rollout {rollout_id + 1}")
-        logger.line(progress_line(rollout_id, num_rollout, metrics, progress.eta(rollout_id + 1)))
-        saved = cfg.ckpt.save is not None and cfg.ckpt.save_interval and (rollout_id + 1) % cfg.ckpt.save_interval == 0
+        saved = ckpt.save is not None and ckpt.save_interval and (rollout_id + 1) % ckpt.save_interval == 0
         if saved:
             with position.stage("save", rollout_id):
                 _save(parts, rollout_id)
         signum = stop.agreed(ctx.world_size, ctx.device)
         if signum:
-            if cfg.ckpt.save is not None and not saved:
+            if ckpt.save is not None and not saved:
                 with position.stage("save", rollout_id):
                     _save(parts, rollout_id)
             logger.line(f"furlong: stopped by signal {signum} after rollout {rollout_id + 1}/{num_rollout}"
-                        + (f"; resume with --load {cfg.ckpt.save}" if cfg.ckpt.save is not None else ""))
+                        + (f"; resume with --load {ckpt.save}" if ckpt.save is not None else ""))
             return 128 + signum
     return 0
 

@@ -77,6 +77,8 @@ class MetricsLogger:
             self._wandb = wandb.init(**wandb_settings)
 
     def log(self, step: int, metrics: dict[str, float], kind: str = "rollout") -> None:
+        """One line {"kind", "step", metrics...}: `step` (miles' name) is the rollout id for rollout and
+        eval lines, the optimizer step for sft lines."""
         if not self.enabled:
             return
         clean = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}
@@ -91,8 +93,9 @@ class MetricsLogger:
             self._wandb.log(clean, step=step)
 
     def cut_back(self, last_step: int) -> int:
-        """On resume: drop rollout lines after `last_step` (the checkpoint loaded), so every step appears
-        exactly once, in order, when the run goes on. Rewritten atomically; returns lines dropped."""
+        """On resume: drop rollout lines after `last_step` (the loaded checkpoint's rollout id), so every
+        rollout appears exactly once, in order, when the run goes on. Rewritten atomically; returns
+        lines dropped."""
         if not self.enabled:
             return 0
         path = Path(self._file.name)

@@ -2,7 +2,7 @@
 
 The "nothing written half-way" rule: config.json, safetensors headers, tokenizer, stop token ids,
 data files, reward and filter paths, the --load checkpoint and the writable output dirs are all
-checked here, before run_setup.build_run loads a model or creates the output directory; flag
+checked here, before setup.build_run loads a model or creates the output directory; flag
 values were checked before that by config_checks.validate. Every failure is a ValueError naming its flag.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from furlong.config import Config
+from furlong.config_map import rollout_seed
 from furlong.checkpoint.verify import CheckpointChoice, choose_checkpoint
 from furlong.run.identity import RunDirs, plan_run_dirs
 from furlong.types import Prompt, Sample
@@ -140,9 +141,10 @@ def check_inputs(cfg: Config, with_actor: bool, user: UserFunctions | None = Non
     if bad_ids:
         raise ValueError(f"--rollout-stop-token-ids: {bad_ids[0]} is not a token id of the model "
                          f"(vocab_size {args.vocab_size})")
+    from furlong.config_map import eval_max_response_len
     max_resp = cfg.rollout.rollout_max_response_len
     if cfg.eval_sets():
-        max_resp = max(max_resp, cfg.eval_sampling().max_new_tokens)
+        max_resp = max(max_resp, eval_max_response_len(cfg))
     max_ctx = args.max_position_embeddings - max_resp
     if max_ctx <= 0:
         raise ValueError(f"--rollout-max-response-len: {max_resp} leaves no room for a prompt in the model's "
@@ -160,7 +162,7 @@ def check_inputs(cfg: Config, with_actor: bool, user: UserFunctions | None = Non
     dataset = None
     if with_actor:
         dataset = PromptDataset(cfg.data.prompt_data, input_key=cfg.data.input_key, label_key=cfg.data.label_key,
-                                shuffle=cfg.data.rollout_shuffle, seed=cfg.rollout_seed, **common)
+                                shuffle=cfg.data.rollout_shuffle, seed=rollout_seed(cfg), **common)
     eval_sets = []
     for name, path in cfg.eval_sets():
         ds = PromptDataset(path, input_key=cfg.eval.eval_input_key or cfg.data.input_key,
@@ -197,8 +199,8 @@ def check_inputs(cfg: Config, with_actor: bool, user: UserFunctions | None = Non
 
 def check_run_dirs(cfg: Config, out: Path, with_critic: bool) -> RunDirs:
     """--output-dir and the save directories against the run's id (run/identity.py)."""
-    from furlong.run.specs import checkpoint_paths
-    paths = checkpoint_paths(cfg)
+    from furlong.config_map import checkpoint_config
+    paths = checkpoint_config(cfg)
     saves = [] if paths.save is None else [("--save", paths.save, paths.load)]
     if with_critic and paths.critic_save is not None:
         saves.append(("--critic-save", paths.critic_save, paths.critic_load))
@@ -210,9 +212,9 @@ def check_critic_inputs(cfg: Config, hf_checkpoint: Path, vocab_size: int, resum
     `hf_checkpoint` unless --critic-hf-checkpoint), which must share the actor's vocabulary since
     it reads the actor's token ids; on resume, its checkpoint of the actor's iteration; --critic-save."""
     from furlong.models.hf_config import ModelArgs
-    from furlong.run.specs import checkpoint_paths
     from furlong.checkpoint.critic import check_critic_resume
-    path, paths = hf_checkpoint, checkpoint_paths(cfg)
+    from furlong.config_map import checkpoint_config
+    path, paths = hf_checkpoint, checkpoint_config(cfg)
     if cfg.algo.critic_hf_checkpoint is not None:
         try:
             path = check_checkpoint_dir(cfg.algo.critic_hf_checkpoint)

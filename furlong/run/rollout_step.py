@@ -12,13 +12,12 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING
 
-from furlong.config_checks import chat_template_kwargs
 from furlong.engine.async_front import AsyncEngine
 from furlong.rollout.async_rollout import generate_eval_custom, generate_rollout_custom
 from furlong.rollout.custom_generate import GenerateArgs
 from furlong.rollout.custom_rollout import run_custom_rollout
-from furlong.rollout.eval import EvalResult, EvalSpec, run_eval
-from furlong.rollout.rollout import RolloutBatch, RolloutSpec, generate_rollout
+from furlong.rollout.eval import EvalConfig, EvalResult, run_eval
+from furlong.rollout.rollout import RolloutBatch, RolloutConfig, generate_rollout
 from furlong.types import Prompt
 
 if TYPE_CHECKING:
@@ -26,40 +25,41 @@ if TYPE_CHECKING:
 
 
 def _front(parts: RunParts, evaluation: bool) -> tuple[AsyncEngine, GenerateArgs]:
-    front = AsyncEngine(parts.engine, parts.cfg.rollout.rollout_max_context_len)
+    gen = parts.config.generate
+    front = AsyncEngine(parts.engine, gen.max_context_len)
     args = GenerateArgs(engine=front, tokenizer=parts.engine.tokenizer, max_context_len=front.max_context_len,
-                        chat_template_kwargs=chat_template_kwargs(parts.cfg), evaluation=evaluation, config=parts.cfg)
+                        chat_template_kwargs=dict(gen.chat_template_kwargs), evaluation=evaluation, config=gen.flags)
     return front, args
 
 
-def rollout_step(parts: RunParts, spec: RolloutSpec, rollout_id: int) -> RolloutBatch:
+def rollout_step(parts: RunParts, cfg: RolloutConfig, rollout_id: int) -> RolloutBatch:
     fns = parts.functions
     try:
         if fns is not None and fns.rollout is not None:
             front, args = _front(parts, evaluation=False)
-            num = spec.rollout_batch_size * spec.n_samples_per_prompt
+            num = cfg.rollout_batch_size * cfg.n_samples_per_prompt
             return run_custom_rollout(fns.rollout, fns.rollout_name, parts.dataset, front, args, parts.reward_fn,
                                       num, parts.ctx, rollout_id)
         if fns is not None and fns.generate is not None:
             front, args = _front(parts, evaluation=False)
             return generate_rollout_custom(parts.dataset, front, args, fns.generate, parts.reward_fn,
-                                           parts.filter_fn, spec, parts.ctx, rollout_id)
-        return generate_rollout(parts.dataset, parts.engine, parts.reward_fn, parts.filter_fn, spec, parts.ctx,
+                                           parts.filter_fn, cfg, parts.ctx, rollout_id)
+        return generate_rollout(parts.dataset, parts.engine, parts.reward_fn, parts.filter_fn, cfg, parts.ctx,
                                 rollout_id)
     finally:
         parts.engine.release()
 
 
-def eval_step(parts: RunParts, name: str, prompts: list[Prompt], spec: EvalSpec) -> EvalResult:
-    fns, n = parts.functions, spec.n_samples_per_prompt
+def eval_step(parts: RunParts, name: str, prompts: list[Prompt], cfg: EvalConfig) -> EvalResult:
+    fns, n = parts.functions, cfg.n_samples_per_prompt
     try:
         if fns is None or fns.generate is None:
-            return run_eval(name, prompts, parts.engine, parts.reward_fn, spec.sampling, n, parts.ctx)
+            return run_eval(name, prompts, parts.engine, parts.reward_fn, cfg.sampling, n, parts.ctx)
         if not prompts:
             raise ValueError(f"--eval-prompt-data: eval set {name!r} has no prompts")
         front, args = _front(parts, evaluation=True)
-        seed = spec.sampling.seed if spec.sampling.seed is not None else random.getrandbits(63)
-        groups = generate_eval_custom(prompts, front, args, fns.generate, parts.reward_fn, spec.sampling, n, seed,
+        seed = cfg.sampling.seed if cfg.sampling.seed is not None else random.getrandbits(63)
+        groups = generate_eval_custom(prompts, front, args, fns.generate, parts.reward_fn, cfg.sampling, n, seed,
                                       parts.ctx)
         samples = [s for g in groups for s in g.samples]
         score = sum(s.reward for s in samples) / max(len(samples), 1)

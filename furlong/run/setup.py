@@ -27,6 +27,7 @@ from furlong.types import DistContext, Prompt, Sample
 if TYPE_CHECKING:   # the engine and trainer modules are imported when a run builds them, not at import
     from transformers import PreTrainedTokenizerBase
 
+    from furlong.config_map import RunConfig
     from furlong.data import PromptDataset
     from furlong.engine import Engine
     from furlong.rollout.filters import GroupFilter
@@ -53,7 +54,7 @@ def eos_token_ids(path: Path, tokenizer: PreTrainedTokenizerBase) -> list[int]:
 @dataclass
 class RunParts:
     """Everything one rank's run reads; built once by build_run, no behaviour of its own."""
-    cfg: Config
+    config: RunConfig                          # what the loop and its stages read (config_map.run_config)
     ctx: DistContext
     output_dir: Path
     logger: MetricsLogger
@@ -70,7 +71,8 @@ class RunParts:
 
 
 def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctions | None = None) -> RunParts:
-    from furlong.engine import Engine, EngineConfig
+    from furlong.config_map import actor_config, critic_config, engine_config, max_tokens_is_auto, run_config
+    from furlong.engine import Engine
     from furlong.models.hf_io import load_pretrained
 
     # 1. inputs (nothing written yet)
@@ -88,33 +90,33 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctio
         from furlong.checkpoint.store import load_model_weights
         load_model_weights(cfg.ckpt.load, engine_model, resume.iteration)
     num_params = sum(p.numel() for p in engine_model.parameters())
-    r = cfg.rollout
     max_prompt_len = max(len(p.token_ids) for p in inputs.prompts())
-    engine = Engine(engine_model, tokenizer, eos_token_ids(ckpt, tokenizer), EngineConfig(
-        kv_fraction=r.rollout_kv_fraction, max_num_seqs=r.rollout_max_num_seqs,
-        decode_window=r.rollout_decode_window,
-        max_model_len=max(max_prompt_len + max_resp, r.rollout_max_context_len or 0),   # multi-turn: whole context
-        use_cuda_graphs=not r.rollout_enforce_eager, cascade=not r.rollout_no_cascade,
-        kv_dtype=r.rollout_kv_dtype))
+    engine = Engine(engine_model, tokenizer, eos_token_ids(ckpt, tokenizer),
+                    engine_config(cfg, max_model_len=max_prompt_len + max_resp))
+    config = run_config(cfg)
     actor = critic = None
     if with_actor:
         from furlong.trainer.actor import Actor
-        from furlong.trainer.memory_probe import CPU_DEFAULT_TOKENS, probe_max_tokens
-        from furlong.run.specs import actor_spec, critic_spec
-        auto = cfg.max_tokens_per_gpu_is_auto
-        actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=device), actor_spec(cfg), ctx,
-                      max_tokens_per_gpu=CPU_DEFAULT_TOKENS if auto else None)
+        actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=device), actor_config(cfg), ctx)
         if critic_ckpt is not None:   # before the probe, which then measures with the critic (and its AdamW state)
             from furlong.trainer.critic import build_critic
-            critic = build_critic(critic_spec(cfg), ctx, critic_ckpt,
-                                  max_tokens_per_gpu=CPU_DEFAULT_TOKENS if auto else None)
-        if auto:   # measured with the engine's weights already resident, as in every later step
+            critic = build_critic(critic_config(cfg), ctx, critic_ckpt)
+        if config.steps.use_dynamic_batch_size:
+            # the memory plan, measured with the engine's weights resident as in every later step: a budget
+            # that would not fit turns recompute on or is lowered, with one line, instead of an OOM in step 1
+            from furlong.trainer.memory_probe import plan_trainer_memory
             reserved = sum(p.numel() * p.element_size() for p in engine_model.parameters())
-            actor.max_tokens_per_gpu = probe_max_tokens(actor, reserved_bytes=reserved)
-            if critic is not None:   # its activations per token are the actor's minus the log-prob chunks
-                critic.max_tokens_per_gpu = actor.max_tokens_per_gpu
-            if ctx.rank == 0:
-                print(f"--max-tokens-per-gpu auto: chose {actor.max_tokens_per_gpu} tokens", flush=True)
+            requested = None if max_tokens_is_auto(cfg) else config.steps.max_tokens_per_gpu
+            plan = plan_trainer_memory(actor, requested, cfg.batch.gradient_checkpointing,
+                                       min_tokens=max_prompt_len + max_resp, reserved_bytes=reserved)
+            # one budget and recompute mode for both trainers: the critic's activations per token are the
+            # actor's minus the log-prob chunks
+            config = config.with_max_tokens(plan.max_tokens_per_gpu)
+            for trainer in (actor, critic):
+                if trainer is not None:
+                    trainer.model.gradient_checkpointing = plan.gradient_checkpointing
+            if plan.note and ctx.rank == 0:
+                print(plan.note, flush=True)
 
     # 3. outputs (rank 0 writes), once every rank has passed step 1: a slow rank's check of --output-dir
     # must not find the metrics.jsonl that rank 0's logger has just opened
@@ -140,22 +142,20 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctio
     logger.line(f"run directory: {out}")
     if inputs.filter_fn is not None and dataset is not None:   # the bound of rollout.py, said up front
         from furlong.rollout.rollout import give_up_rule
-        from furlong.run.specs import rollout_spec
-        logger.line(give_up_rule(rollout_spec(cfg), len(dataset), inputs.filter_fn.name))
+        logger.line(give_up_rule(config.rollout, len(dataset), inputs.filter_fn.name))
     if resume is not None and not with_actor:
         logger.line(f"evaluating iteration {resume.iteration} of {cfg.ckpt.load} ({resume.path})")
 
     start_rollout = 0
     if resume is not None and actor is not None:
-        from furlong.run.specs import checkpoint_paths
         from furlong.checkpoint.run import load_run
         from furlong.trainer.weight_sync import sync_weights
-        state = load_run(checkpoint_paths(cfg), actor, critic, dataset, resume.iteration)
+        state = load_run(config.checkpoint, actor, critic, dataset, resume.iteration)
         start_rollout = state.next_rollout_id
         sync_weights(actor.model, engine.model, cfg.batch.update_weight_buffer_size)
         dropped = logger.cut_back(state.rollout_id)
         logger.line(f"resumed from iteration {resume.iteration} ({state.path}; rollout {state.rollout_id + 1} "
                     f"done); {dropped} metrics line(s) after it dropped from {out / 'metrics.jsonl'}")
-    return RunParts(cfg=cfg, ctx=ctx, output_dir=out, logger=logger, dataset=dataset, eval_sets=inputs.eval_sets,
+    return RunParts(config=config, ctx=ctx, output_dir=out, logger=logger, dataset=dataset, eval_sets=inputs.eval_sets,
                     engine=engine, reward_fn=inputs.reward_fn, filter_fn=inputs.filter_fn, actor=actor,
                     start_rollout=start_rollout, num_params=num_params, critic=critic, functions=inputs.functions)

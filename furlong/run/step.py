@@ -1,8 +1,9 @@
 """One RL step as a list of stages (docs/design.md §2), each a line of `rl_step` with its own timer.
 
     rollout          generate, reward and filter, streamed per group (run/rollout_step.py picks which
-                     rollout: engine requests, a custom generate or rollout function); perf/rollout_time
-    rewards          kept groups -> TrainSamples and shaped rewards [G, n] (DAPO's overlong penalty)
+                     rollout: engine requests, a custom generate or rollout function): perf/rollout_time
+                     from the rollout's own clock, of which perf/reward_time in the reward functions
+    shaping          kept groups -> TrainSamples and shaped rewards [G, n] (DAPO's overlong penalty)
     old_log_probs    from the engine, a no-grad trainer forward, or left to the training forward
     ref_log_probs    the frozen reference model's, when a KL term needs them
     values           the critic's (ppo)
@@ -31,9 +32,10 @@ from furlong.algorithms.advantages import AdvantageConfig, AdvantageInputs, comp
 from furlong.algorithms.losses import kl_penalty
 from furlong.algorithms.shaping import ShapingConfig, shaped_rewards
 from furlong.launch.failure import Position
-from furlong.rollout.rollout import RolloutBatch, RolloutSpec
+from furlong.rollout.rollout import RolloutBatch
 from furlong.run.rollout_step import rollout_step
 from furlong.trainer.metrics import TrainMetrics
+from furlong.trainer.trainer_config import BatchingConfig
 from furlong.trainer.weight_sync import sync_weights
 from furlong.types import Group, TrainSample
 
@@ -75,6 +77,7 @@ class StageClock:
     def __init__(self, position: Position | None = None, rollout_id: int | None = None) -> None:
         self.started = time.perf_counter()
         self.seconds: dict[str, float] = {}
+        self.current = "rollout"          # the stage last entered (an out-of-memory line names it)
         self.position = position          # told each stage entered (a lost rank's line names it)
         self.rollout_id = rollout_id
 
@@ -85,6 +88,7 @@ class StageClock:
     @contextmanager
     def stage(self, name: str):
         t = time.perf_counter()
+        self.current = name
         try:
             with self.where(name):
                 yield
@@ -116,26 +120,26 @@ def train_samples(groups: list[Group], shaping: ShapingConfig) -> tuple[list[Tra
     return samples, shaped_rewards(rewards, lens, shaping)
 
 
-def old_log_probs(samples: list[TrainSample], actor: Actor, source: OldSource) -> None:
+def old_log_probs(samples: list[TrainSample], actor: Actor, steps: BatchingConfig, source: OldSource) -> None:
     """Set each sample's old_log_probs [R] (left None for "training": the training forward's, detached)."""
     if source == "engine":
         for s in samples:
             s.old_log_probs = s.rollout_log_probs
     elif source == "forward":
-        for s, lp in zip(samples, actor.compute_log_probs(samples, "old")):
+        for s, lp in zip(samples, actor.compute_log_probs(samples, steps, "old")):
             s.old_log_probs = lp
 
 
-def ref_log_probs(samples: list[TrainSample], actor: Actor, needed: bool) -> None:
+def ref_log_probs(samples: list[TrainSample], actor: Actor, steps: BatchingConfig, needed: bool) -> None:
     """Set each sample's ref_log_probs [R] under the frozen reference model, when a KL term needs them."""
     if needed:
-        for s, lp in zip(samples, actor.compute_log_probs(samples, "ref")):
+        for s, lp in zip(samples, actor.compute_log_probs(samples, steps, "ref")):
             s.ref_log_probs = lp
 
 
-def values(samples: list[TrainSample], critic: Critic) -> None:
+def values(samples: list[TrainSample], critic: Critic, steps: BatchingConfig) -> None:
     """Set each sample's values [R] under the current critic (ppo)."""
-    for s, v in zip(samples, critic.compute_values(samples)):
+    for s, v in zip(samples, critic.compute_values(samples, steps)):
         s.values = v
 
 
@@ -157,17 +161,6 @@ def advantages(samples: list[TrainSample], rewards: torch.Tensor, cfg: Advantage
 
 # ------------------------------------------------------------------------------------------ the step
 
-@dataclass(frozen=True)
-class StepSettings:
-    """What the stages read besides the components (made once per run from the flags)."""
-    rollout: RolloutSpec
-    shaping: ShapingConfig
-    advantages: AdvantageConfig
-    passes: LogProbPasses
-    num_critic_only_steps: int       # ppo: the first rollouts train only the critic
-    update_weight_buffer_size: int   # bytes per weight-sync bucket
-
-
 @dataclass
 class StepOutput:
     batch: RolloutBatch
@@ -176,23 +169,23 @@ class StepOutput:
     train: TrainMetrics | None       # the actor's step (None in a critic-only warm-up rollout)
 
 
-def rl_step(parts: RunParts, cfg: StepSettings, rollout_id: int, clock: StageClock) -> StepOutput:
+def rl_step(parts: RunParts, rollout_id: int, clock: StageClock) -> StepOutput:
     """Rollout `rollout_id` through the weight sync, stage by stage (module docstring)."""
-    actor, critic = parts.actor, parts.critic
+    cfg, actor, critic = parts.config, parts.actor, parts.critic
     with clock.where("rollout"):
         batch = rollout_step(parts, cfg.rollout, rollout_id)         # timed by its own clock: perf/rollout_time
-    samples, rewards = clock.run("rewards", train_samples, batch.groups, cfg.shaping)
-    clock.run("old_log_probs", old_log_probs, samples, actor, cfg.passes.old)
-    clock.run("ref_log_probs", ref_log_probs, samples, actor, cfg.passes.ref)
+    samples, rewards = clock.run("shaping", train_samples, batch.groups, cfg.shaping)
+    clock.run("old_log_probs", old_log_probs, samples, actor, cfg.steps, cfg.passes.old)
+    clock.run("ref_log_probs", ref_log_probs, samples, actor, cfg.steps, cfg.passes.ref)
     if critic is not None:
-        clock.run("values", values, samples, critic)
+        clock.run("values", values, samples, critic, cfg.steps)
     clock.run("advantages", advantages, samples, rewards, cfg.advantages)
     metrics = batch.metrics.as_log()
     if critic is not None:
-        metrics.update(clock.run("critic_train", critic.train_step, samples).to_log())
+        metrics.update(clock.run("critic_train", critic.train_step, samples, cfg.steps).to_log())
     train = None
     if rollout_id >= cfg.num_critic_only_steps:   # --num-critic-only-steps: the actor stays frozen until then
-        train = clock.run("actor_train", actor.train_step, samples)
+        train = clock.run("actor_train", actor.train_step, samples, cfg.steps)
         clock.run("update_weights", sync_weights, actor.model, parts.engine.model, cfg.update_weight_buffer_size)
         metrics.update(train.to_log())
     return StepOutput(batch=batch, samples=samples, metrics=metrics, train=train)

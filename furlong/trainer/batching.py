@@ -83,9 +83,8 @@ def pack_micro_batch(samples: list[TrainSample], weights: list[torch.Tensor],
                      indices: list[int]) -> MicroBatch:
     """Pack samples[i] for i in indices (samples/weights: the step's full lists) into one row."""
     chosen = [samples[i] for i in indices]
-    if not chosen:  # padding: mirror the step's optional fields so the loss sees the same inputs
-        return empty_micro_batch(bool(samples) and samples[0].old_log_probs is not None,
-                                 bool(samples) and samples[0].ref_log_probs is not None)
+    if not chosen:   # the planners never make an empty micro-batch; a short rank pads with padding_micro_batch
+        raise ValueError("pack_micro_batch: no samples")
     has_old = [s.old_log_probs is not None for s in chosen]
     has_ref = [s.ref_log_probs is not None for s in chosen]
     if len(set(has_old)) > 1 or len(set(has_ref)) > 1:
@@ -125,23 +124,11 @@ def pack_micro_batch(samples: list[TrainSample], weights: list[torch.Tensor],
     )
 
 
-def empty_micro_batch(has_old_log_probs: bool = False, has_ref_log_probs: bool = False) -> MicroBatch:
-    """A T = 0 micro-batch that pads a rank up to the common micro-batch count."""
-    f = lambda: torch.zeros(0, dtype=torch.float32)  # noqa: E731
-    return MicroBatch(
-        input_ids=torch.zeros(0, dtype=torch.long), position_ids=torch.zeros(0, dtype=torch.long),
-        cu_seqlens=torch.zeros(1, dtype=torch.int32), max_seqlen=0,
-        targets=torch.zeros(0, dtype=torch.long), loss_weight=f(), response_mask=f(), advantages=f(),
-        old_log_probs=f() if has_old_log_probs else None, rollout_log_probs=f(),
-        ref_log_probs=f() if has_ref_log_probs else None, sample_indices=[],
-    )
-
-
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """t on `device` without making the host wait for the device: to a GPU, through pinned memory
     (a copy from pageable memory may wait for the stream's queued work, and a train step queues
-    ~1 s of it; pinned, the seed step's copy calls took 8 ms of host time instead of 92 ms,
-    BENCHMARKS.md session 6). The pinned staging copy is freed once the transfer has run."""
+    ~1 s of it; pinned, the seed step's copy calls took 8 ms of host time instead of 92 ms on the
+    H200). The pinned staging copy is freed once the transfer has run."""
     if torch.device(device).type == "cuda" and t.device.type == "cpu":
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
@@ -163,7 +150,7 @@ def move_micro_batch(mb: MicroBatch, device: torch.device | str) -> MicroBatch:
 
 def padding_micro_batch(has_old: bool, has_ref: bool) -> MicroBatch:
     """One token, zero weight: a rank with fewer micro-batches than the others pads with it to join
-    the FSDP collectives (`empty_micro_batch` is the T = 0 form `pack_micro_batch([])` returns)."""
+    the FSDP collectives."""
     z = lambda: torch.zeros(1, dtype=torch.float32)  # noqa: E731
     return MicroBatch(
         input_ids=torch.zeros(1, dtype=torch.long), position_ids=torch.zeros(1, dtype=torch.long),

@@ -32,12 +32,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard,
+                                    register_fsdp_forward_method)
 
 from furlong.types import DistContext
 
 if TYPE_CHECKING:
-    from furlong.trainer.spec import ShardSpec
+    from furlong.trainer.trainer_config import ShardConfig
 
 
 def compute_dtype(device: torch.device, dtype_flag: str = "auto") -> torch.dtype:
@@ -50,20 +51,21 @@ def compute_dtype(device: torch.device, dtype_flag: str = "auto") -> torch.dtype
     return table[dtype_flag]
 
 
-def prepare_trainer_model(model: nn.Module, ctx: DistContext, shard: ShardSpec) -> nn.Module:
+def prepare_trainer_model(model: nn.Module, ctx: DistContext, shard: ShardConfig) -> nn.Module:
     """A trainer's model (actor, its reference copy, critic) as `shard` says, in place: recompute
     flag, compiled layer blocks, FSDP2, and `forward_packed` routed through FSDP's unshard hooks
     (it is not `__call__`, which FSDP hooks by itself)."""
     model.gradient_checkpointing = shard.gradient_checkpointing
     if compile_enabled(shard.torch_compile, ctx.device):
         compile_layers(model)
-    shard_model(model, ctx, compute_dtype(ctx.device, shard.dtype), reshard_after_forward=shard.reshard_after_forward)
+    shard_model(model, ctx, compute_dtype(ctx.device, shard.dtype), reshard_after_forward=shard.reshard_after_forward,
+                cpu_offload=shard.cpu_offload)
     register_fsdp_forward_method(model, "forward_packed")
     return model
 
 
 def shard_model(model: nn.Module, ctx: DistContext, param_dtype: torch.dtype, *, reshard_after_forward: bool,
-                reduce_dtype: torch.dtype = torch.float32) -> nn.Module:
+                reduce_dtype: torch.dtype = torch.float32, cpu_offload: bool = False) -> nn.Module:
     """Shard `model` (fp32, any device) in place over all ranks of `ctx`; returns it.
 
     `model` must have a `.layers` ModuleList of decoder layers.
@@ -77,11 +79,14 @@ def shard_model(model: nn.Module, ctx: DistContext, param_dtype: torch.dtype, *,
     # in fp32 as in the engine, and torch 2.11's FSDP skipped the input cast during activation
     # recompute, so a cast made --gradient-checkpointing fail its saved-vs-recomputed dtype check.
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    # CPU offload: the shards live in (pinned, on CUDA: faster copies) CPU memory; on a CPU run the same
+    # policy is a placement no-op, which lets the CPU tests check the offloaded step's arithmetic
+    extra = {"offload_policy": CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda")} if cpu_offload else {}
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, **extra)
     # the root keeps embeddings/norm/head gathered after forward: its backward
     # follows right away and it would be re-gathered otherwise
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, **extra)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             set_sum_reduction(m)
@@ -128,7 +133,7 @@ def compile_layers(model: nn.Module) -> None:
     RoPE alone took about 0.4 s of a 2 s seed train step on the H200 (BENCHMARKS.md). One graph
     rather than two around an eager attention call halves the compiled calls, guard checks and
     autograd nodes per layer: the host's work for the seed step went from ~0.6 s to 0.40-0.53 s,
-    against ~1.2 s of GPU work (BENCHMARKS.md, session 6). Only the instance's forward is replaced,
+    against ~1.2 s of GPU work (H200, BENCHMARKS.md). Only the instance's forward is replaced,
     so parameter names stay the same (no `_orig_mod.` prefix for checkpoints and weight sync) and
     FSDP's hooks run eagerly around it.
     Every layer runs the same code, so one compiled graph (per grad mode) serves all layers.

@@ -34,6 +34,20 @@ class MemoryPlanError(ValueError):
     """No budget fits: the message names the flags to change (the CLI prints it as one line)."""
 
 
+class TrainerOutOfMemory(RuntimeError):
+    """An out-of-memory error the plan did not foresee (the CLI prints it as one line, exit 1)."""
+
+
+def out_of_memory_line(stage: str, rollout_id: int, steps) -> str:
+    """What to change after a real OOM: the stage, the budget in force and the flags that lower memory.
+    `steps`: the run's BatchingConfig (its max_tokens_per_gpu is the planned budget)."""
+    budget = getattr(steps, "max_tokens_per_gpu", None)
+    return (f"out of memory in the {stage} stage of rollout {rollout_id + 1}"
+            + (f" (micro-batches of up to {budget} tokens)" if budget else "")
+            + ": lower --max-tokens-per-gpu, or add --gradient-checkpointing, --fsdp-cpu-offload or --lora-rank "
+              "(the last checkpoint is untouched; resume with --load)")
+
+
 @dataclass
 class ModeProbe:
     """Two probe micro-batches in one recompute mode."""

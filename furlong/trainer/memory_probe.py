@@ -23,15 +23,20 @@ On CPU there is nothing to measure: CPU_DEFAULT_TOKENS is returned (logged).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from furlong.trainer.batching import move_micro_batch, pack_micro_batch
 from furlong.launch.distributed import all_reduce_max
 from furlong.trainer.fsdp import reshard_all
+from furlong.trainer.memory_plan import MemoryBudget, MemoryPlan, ModeProbe, plan_memory
 from furlong.types import TrainSample
+
+if TYPE_CHECKING:
+    from furlong.trainer.actor import Actor
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +78,7 @@ def _probe_batch(num_tokens: int, vocab_size: int, device: torch.device):
     return move_micro_batch(pack_micro_batch([sample], [torch.full((r,), 1.0 / r)], [0]), device)
 
 
-def _measure(actor: Any, num_tokens: int) -> int:
+def _measure(actor: Actor, num_tokens: int) -> int:
     """Peak bytes of one training micro-batch and one log-prob forward of `num_tokens` tokens."""
     vocab = actor.model.output_weight.shape[0]
     mb = _probe_batch(num_tokens, vocab, actor.ctx.device)
@@ -81,7 +86,7 @@ def _measure(actor: Any, num_tokens: int) -> int:
     torch.cuda.reset_peak_memory_stats()
     positions = torch.arange(num_tokens - 1, device=actor.ctx.device)   # one prompt token: the rest is response
     logp, ent = actor._log_probs(actor.model, mb, positions, with_entropy=True)
-    loss, _ = actor.loss_fn(mb, logp, ent.detach(), actor.spec.loss)
+    loss, _ = actor.loss_fn(mb, logp, ent.detach(), actor.cfg.loss)
     loss.backward()
     with torch.no_grad():
         actor._log_probs(actor.model, mb, positions, with_entropy=False)
@@ -92,8 +97,9 @@ def _measure(actor: Any, num_tokens: int) -> int:
     return int(peak)
 
 
-def probe_max_tokens(actor: Any, reserved_bytes: int = 0) -> int:
-    """Measure on this rank and agree on the smallest budget over ranks (every rank calls)."""
+def probe_max_tokens(actor: Actor, reserved_bytes: int = 0) -> int:
+    """The budget: measured on this rank, the smallest over ranks (every rank calls). The caller puts
+    it into the run's BatchingConfig (RunConfig.with_max_tokens)."""
     if actor.ctx.device.type != "cuda":
         log.info("--max-tokens-per-gpu auto: CPU run, using the default budget of %d tokens", CPU_DEFAULT_TOKENS)
         return CPU_DEFAULT_TOKENS
@@ -116,3 +122,58 @@ def probe_max_tokens(actor: Any, reserved_bytes: int = 0) -> int:
              (m.peak_bytes_large - m.peak_bytes_small) / (large - small) / 1024, total / 2**30,
              reserved_bytes / 2**30, SAFETY_FRACTION * 100)
     return tokens
+
+
+# ------------------------------------------------------------------------ the memory plan (memory_plan.py)
+
+def _timed_probe(actor: Actor, num_tokens: int) -> tuple[int, float]:
+    """(peak bytes, seconds) of one training micro-batch of `num_tokens`, after an untimed run of it
+    (kernels and compiled graphs warm; a first call's compile would swamp the time)."""
+    _measure(actor, num_tokens)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    peak = _measure(actor, num_tokens)
+    return peak, time.perf_counter() - t
+
+
+def probe_modes(actor: Actor) -> dict[bool, ModeProbe]:
+    """Two probe sizes in each recompute mode (the model's flag is toggled and put back)."""
+    keep, actor.keep_logits_bytes = actor.keep_logits_bytes, 0   # module docstring: counted as fixed memory
+    was = actor.model.gradient_checkpointing
+    out = {}
+    try:
+        for recompute in (False, True):
+            actor.model.gradient_checkpointing = recompute
+            (p0, t0), (p1, t1) = (_timed_probe(actor, n) for n in (PROBE_TOKENS, 2 * PROBE_TOKENS))
+            out[recompute] = ModeProbe(recompute, (PROBE_TOKENS, 2 * PROBE_TOKENS), (p0, p1), (t0, t1))
+    finally:
+        actor.model.gradient_checkpointing = was
+        actor.keep_logits_bytes = keep
+    return out
+
+
+def plan_trainer_memory(actor: Actor, requested_tokens: int | None, requested_recompute: bool, min_tokens: int,
+                        reserved_bytes: int = 0, probes: dict[bool, ModeProbe] | None = None,
+                        total_bytes: int | None = None) -> MemoryPlan:
+    """The run's memory plan (memory_plan.py), measured on this rank and agreed over ranks: every rank
+    takes the smallest budget, and recompute if any rank needs it (one collective). `probes` and
+    `total_bytes` replace the measurement (tests on the CPU); without them a CPU run keeps its flags."""
+    if probes is None and actor.ctx.device.type != "cuda":
+        tokens = CPU_DEFAULT_TOKENS if requested_tokens is None else requested_tokens
+        note = (f"--max-tokens-per-gpu auto: CPU run, using the default budget of {tokens} tokens"
+                if requested_tokens is None else None)
+        return MemoryPlan(tokens, requested_recompute, 0, note)
+    # trainer state not allocated yet: AdamW's two fp32 moments per trainable parameter on this device
+    has_state = any(len(s) > 0 for s in actor.optimizer.state.values())
+    pending = 0 if has_state else sum(2 * 4 * (p.to_local() if hasattr(p, "to_local") else p).numel()
+                                      for p in actor.model.parameters()
+                                      if p.requires_grad and p.device.type == actor.ctx.device.type)
+    if total_bytes is None:
+        total_bytes = torch.cuda.get_device_properties(actor.ctx.device).total_memory
+    budget = MemoryBudget(total_bytes, reserved_bytes, pending + actor.keep_logits_bytes)
+    plan = plan_memory(probes or probe_modes(actor), budget, requested_tokens, requested_recompute, min_tokens)
+    tokens, recompute = all_reduce_max([-plan.max_tokens_per_gpu, float(plan.gradient_checkpointing)])
+    if int(-tokens) != plan.max_tokens_per_gpu or bool(recompute) != plan.gradient_checkpointing:
+        plan = MemoryPlan(int(-tokens), bool(recompute), plan.predicted_peak_bytes,
+                          (plan.note or "memory:") + " (agreed over ranks: the tightest rank's plan)")
+    return plan

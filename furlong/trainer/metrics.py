@@ -1,18 +1,45 @@
-"""What a train step reports: StepResult per optimizer step, TrainMetrics (CriticMetrics) per rollout.
+"""What a train step reports: StepResult per optimizer step (actor and critic alike), TrainMetrics
+(the actor's) and CriticMetrics per rollout.
 
-StepResult lives on the host after each optimizer step; TrainMetrics sums a rollout's steps
-and is logged as `train/*`, the critic's CriticMetrics as `critic/*` (docs/design.md §7)."""
+StepResult lives on the host after each optimizer step; a rollout's steps are summarized by the
+shared helpers here, logged as `train/*` (actor) and `critic/*` (critic) (docs/design.md §7)."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-from furlong.algorithms.losses import LossMetrics
+from furlong.types import WeightedSums
+
+
+@dataclass
+class StepResult:
+    """One optimizer step of either trainer, on the host."""
+    metrics: WeightedSums         # the loss's sums over the step's micro-batches and ranks (0-d CPU tensors)
+    grad_norm: float              # before clipping
+    finite: bool                  # False: non-finite grad norm, update skipped
+    lr: float                     # the learning rate the step used
+    num_micro_batches: int        # per rank (all ranks run the same count)
+    num_tokens: int               # prompt + response tokens of the step, all ranks
+    tokens_max_over_mean: float   # rank token balance: max rank tokens / mean (1.0 = perfect)
+
+
+def loss_means(steps: list[StepResult]) -> dict[str, float]:
+    """Each loss metric's mean over a rollout's optimizer steps."""
+    names = [f.name for f in dataclasses.fields(steps[0].metrics)]
+    return {n: sum(float(getattr(st.metrics, n)) for st in steps) / len(steps) for n in names}
+
+
+def step_summary(steps: list[StepResult]) -> dict[str, float | int]:
+    """grad_norm (mean over the finite steps; over all when none is), lr (the last step's), num_steps,
+    num_skipped_steps (non-finite grad norm)."""
+    finite = [st for st in steps if st.finite] or steps
+    return {"grad_norm": sum(st.grad_norm for st in finite) / len(finite), "lr": steps[-1].lr,
+            "num_steps": len(steps), "num_skipped_steps": sum(not st.finite for st in steps)}
 
 
 @dataclass
 class TrainMetrics:
-    """One train_step (all optimizer steps of a rollout); loss terms are step means."""
+    """One Actor.train_step (all optimizer steps of a rollout); loss terms are step means."""
     loss: float
     pg_loss: float
     pg_clipfrac: float
@@ -29,21 +56,16 @@ class TrainMetrics:
     num_tokens: int               # prompt + response tokens trained, all ranks
     seconds: float
 
+    @classmethod
+    def of(cls, steps: list[StepResult], seconds: float) -> TrainMetrics:
+        return cls(**loss_means(steps), **step_summary(steps),
+                   num_micro_batches=sum(st.num_micro_batches for st in steps),
+                   tokens_max_over_mean=max(st.tokens_max_over_mean for st in steps),
+                   num_tokens=sum(st.num_tokens for st in steps), seconds=seconds)
+
     def to_log(self) -> dict[str, float]:
         """`train/*` metric names of docs/design.md §7."""
         return {f"train/{f.name}": getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "seconds"}
-
-
-@dataclass
-class StepResult:
-    """One optimizer step, on the host."""
-    metrics: LossMetrics          # step aggregates, 0-d CPU tensors (summed over micro-batches and ranks)
-    grad_norm: float
-    finite: bool                  # False: non-finite grad norm, update skipped
-    lr: float
-    num_micro_batches: int
-    num_tokens: int
-    tokens_max_over_mean: float
 
 
 @dataclass

@@ -43,7 +43,8 @@ def _param_groups(params_or_model, weight_decay: float) -> list[dict]:
 
 def _adamw(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
     # On CUDA the fused kernel: one pass over each tensor list instead of foreach's several (it
-    # takes FSDP2's sharded DTensors); on CPU the default, which the CPU tests pin down.
+    # takes FSDP2's sharded DTensors); on CPU the default, which the CPU tests pin down. Offloaded
+    # shards (--fsdp-cpu-offload) are CPU tensors, so their step runs the CPU default too.
     on_cuda = groups[0]["params"][0].device.type == "cuda"
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                              fused=True if on_cuda else None)

@@ -21,8 +21,10 @@ import torch
 from torch import nn
 
 
-def _full(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    t = t.detach().to(dtype)
+def _full(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # to the engine's device first: offloaded shards (--fsdp-cpu-offload) are CPU tensors, which an
+    # NCCL all-gather cannot take
+    t = t.detach().to(device=device, dtype=dtype)
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
@@ -64,7 +66,7 @@ def sync_weights(actor_model: nn.Module, engine_model: nn.Module, bucket_bytes: 
         raise ValueError(f"weight sync: engine parameters have mixed dtypes {sorted(map(str, dtypes))}")
     dtype = dtypes.pop()
     for bucket in _buckets(src, dtype, bucket_bytes):
-        gathered = [(name, _full(p, dtype)) for name, p in bucket]
+        gathered = [(name, _full(p, dtype, dst[name].device)) for name, p in bucket]
         for name, full in gathered:
             dst[name].copy_(full)
             written += full.numel() * full.element_size()

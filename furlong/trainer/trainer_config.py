@@ -1,11 +1,10 @@
-"""What the trainers (actor.py, critic.py) are built from: small typed specs, not the whole Config.
+"""What both trainers (actor.py, critic.py) are configured with besides their own `Config`.
 
-furlong/run/specs.py is the one place these are made from the flags. A trainer reads only its
-spec, so a test or a bench builds one directly, and a change of plan (the bench's micro-batch
-size 1 comparison) is a `dataclasses.replace` of the spec.
-
-`StepSpec` is shared by actor and critic: both split a rollout's samples into the same
-optimizer steps and micro-batches, so their gradients aggregate the same way (docs/design.md §5).
+`ShardConfig`: how a trainer's model is placed. `BatchingConfig`: how one rollout's samples become
+optimizer steps, micro-batches and loss weights. The step runs actor and critic with the SAME
+BatchingConfig (run/step.py passes one value to both), so their gradients aggregate alike
+(docs/design.md §5); under --max-tokens-per-gpu auto its token budget is the memory probe's result,
+put into the run's config (run/setup.py) before the first step.
 """
 from __future__ import annotations
 
@@ -18,13 +17,13 @@ from furlong.trainer.planning import optimizer_step_chunks, rank_micro_batches
 if TYPE_CHECKING:
     import torch
 
-    from furlong.config import OptimConfig
-    from furlong.algorithms.losses import LossParams
     from furlong.types import TrainSample
+
+RankPlan = tuple[list[list[int]], list[list[list[int]]]]   # rank split, per-rank micro-batches (indices)
 
 
 @dataclass(frozen=True)
-class ShardSpec:
+class ShardConfig:
     """How a trainer's model is placed: FSDP2 with fp32 masters, compute in `dtype`."""
     dtype: str                       # --dtype: auto | bf16 | fp32 (fsdp.compute_dtype resolves it per device)
     torch_compile: str               # --torch-compile: auto (on CUDA) | on | off
@@ -32,15 +31,18 @@ class ShardSpec:
     # False: a layer's gathered weights stay from its first forward of an optimizer step to the step's
     # last backward (fsdp.micro_batch_sync); True: FSDP's default, gathered again in every backward
     reshard_after_forward: bool
+    # --fsdp-cpu-offload: fp32 master shards, their gradients and AdamW state in CPU memory; layers are
+    # copied to the GPU for their forward/backward and the optimizer step runs on the CPU
+    cpu_offload: bool = False
 
 
 @dataclass(frozen=True)
-class StepSpec:
+class BatchingConfig:
     """How one rollout's samples become optimizer steps, micro-batches and loss weights."""
     global_batch_size: int | None    # samples per optimizer step (None: all of the rollout's)
     num_steps_per_rollout: int | None   # wins over global_batch_size when set
     use_dynamic_batch_size: bool     # micro-batches packed by token count
-    max_tokens_per_gpu: int | None   # token budget per micro-batch (None: 'auto', probed after build)
+    max_tokens_per_gpu: int | None   # token budget per micro-batch (None under 'auto' until probed)
     micro_batch_size: int            # samples per micro-batch without dynamic batching
     loss_agg_mode: str               # --loss-agg-mode (batching.token_loss_weights)
     calculate_per_token_loss: bool
@@ -58,38 +60,14 @@ class StepSpec:
         """Sample indices of each optimizer step."""
         return optimizer_step_chunks(num_samples, self.global_batch_size, self.num_steps_per_rollout)
 
-    def plan(self, lengths: list[int], world_size: int,
-             max_tokens_per_gpu: int | None) -> tuple[list[list[int]], list[list[list[int]]]]:
-        """Rank split and, per rank, micro-batches as indices into `lengths` (the same on every rank).
-        `max_tokens_per_gpu`: the trainer's budget (the probed one under 'auto')."""
-        if self.use_dynamic_batch_size and max_tokens_per_gpu is None:
+    def plan(self, lengths: list[int], world_size: int) -> RankPlan:
+        """Rank split and, per rank, micro-batches as indices into `lengths` (the same on every rank)."""
+        if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
             raise ValueError("--max-tokens-per-gpu: auto budget not probed yet "
-                             "(set trainer.max_tokens_per_gpu = memory_probe.probe_max_tokens(actor))")
-        return rank_micro_batches(lengths, world_size, max_tokens_per_gpu if self.use_dynamic_batch_size else None,
+                             "(memory_probe.probe_max_tokens, then RunConfig.with_max_tokens)")
+        return rank_micro_batches(lengths, world_size, self.max_tokens_per_gpu if self.use_dynamic_batch_size else None,
                                   self.micro_batch_size)
 
     def loss_weights(self, samples: list[TrainSample]) -> list[torch.Tensor]:
         """Per-sample token weights [R] of one optimizer step (all ranks' samples) under --loss-agg-mode."""
         return step_loss_weights(samples, self.loss_agg_mode, self.calculate_per_token_loss, self.max_response_len)
-
-
-@dataclass(frozen=True)
-class ActorSpec:
-    shard: ShardSpec
-    steps: StepSpec
-    optim: OptimConfig
-    loss: LossParams
-    temperature: float               # log-probs are taken at the sampling temperature (as miles)
-    skip_actor_forward_only: bool | None   # None: reuse the training forward's log-probs exactly when exact
-    use_ref_model: bool              # keep a frozen copy of the initial weights (KL loss or KL in the reward)
-    total_steps: int                 # optimizer steps of the LR schedule
-
-
-@dataclass(frozen=True)
-class CriticSpec:
-    shard: ShardSpec
-    steps: StepSpec
-    optim: OptimConfig               # the actor's with --critic-lr and --critic-lr-warmup-iters
-    value_clip: float                # clip of new values around step 1's (value_loss.py)
-    total_steps: int                 # optimizer steps of the LR schedule
-    head_seed: int                   # seeds the fresh value head: the same on every rank and world size
