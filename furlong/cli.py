@@ -75,6 +75,8 @@ def _build_parser() -> _Parser:
                    help="all, or a comma list of the parts to run (see furlong/bench/workload.py)")
     b.add_argument("--kv-dtype", default="auto", choices=("auto", "bf16", "fp8_e4m3"),
                    help="the engine's KV cache in the generating parts (default: auto, the model's dtype)")
+    b.add_argument("--fsdp-cpu-offload", action="store_true",
+                   help="the trainer's fp32 masters, gradients and AdamW state in CPU memory")
     pl = sub.add_parser("plot", help="one PNG of a run's metrics (reward, eval, length, KL, entropy, time)")
     pl.add_argument("run_dir", metavar="RUN_DIR", help="a run's --output-dir (holds metrics.jsonl)")
     pl.add_argument("--output", default=None, metavar="FILE.png", help="default: RUN_DIR/metrics.png")
@@ -142,7 +144,7 @@ def _run(argv: list[str]) -> int:
                         settings=args.settings)
     if args.command == "bench":
         from furlong.bench import run_bench
-        return run_bench(args.workload, args.output, args.parts, args.kv_dtype)
+        return run_bench(args.workload, args.output, args.parts, args.kv_dtype, args.fsdp_cpu_offload)
     if args.command == "plot":
         from furlong.commands.plot import plot_run
         print(f"plot: wrote {plot_run(args.run_dir, args.output)}")

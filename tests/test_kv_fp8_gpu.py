@@ -127,7 +127,7 @@ def test_engine_vs_trainer_log_prob_gap_bf16_and_fp8_kv():
     """The same sampled rollout setting with bf16 and fp8 KV: each engine's log-probs of its own tokens
     against the trainer's packed forward; fp8 may widen the gap, within a bound."""
     from furlong.engine import Engine, EngineConfig, Request, SamplingParams
-    from furlong.train.logprobs import chunked_log_probs
+    from furlong.trainer.logprobs import chunked_log_probs
     from test_engine_gpu import NullTok, small_model
     model = small_model(torch.bfloat16, layers=4, std=0.02, embed_std=0.1)
     g = torch.Generator().manual_seed(1)

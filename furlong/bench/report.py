@@ -41,6 +41,10 @@ class TrainResult:
     weight_sync_s: float | None
     weight_sync_gib: float | None    # bytes written into the engine
     weight_sync_note: str
+    planned_max_tokens: int | None = None   # the memory plan's budget (run set-up's rule; None off CUDA)
+    gradient_checkpointing: bool = False    # recompute, as asked or as the plan turned it on
+    cpu_offload: bool = False               # --fsdp-cpu-offload
+    memory_note: str | None = None          # the plan's line when it departed from the workload's flags
 
 
 @dataclass

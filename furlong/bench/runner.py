@@ -49,7 +49,8 @@ def _environment(b: Bench) -> dict[str, Any]:
             "world_size": b.ctx.world_size, "dtype": str(b.dtype), "packed_attention": select_packed_impl(probe)}
 
 
-def run_bench(workload_path: str, output_path: str | None = None, parts: str = "all", kv_dtype: str = "auto") -> int:
+def run_bench(workload_path: str, output_path: str | None = None, parts: str = "all", kv_dtype: str = "auto",
+              cpu_offload: bool = False) -> int:
     """Run the selected parts; print a table; write JSON (output_path, else $OUT/bench.json).
 
     Returns 0 when every selected part finished, 1 otherwise (the JSON is written either way).
@@ -58,7 +59,7 @@ def run_bench(workload_path: str, output_path: str | None = None, parts: str = "
     w = load_workload(workload_path)
     out = Path(output_path) if output_path else (Path(os.environ["OUT"]) / "bench.json" if os.environ.get("OUT")
                                                  else None)
-    b = Bench(w, kv_dtype=kv_dtype)
+    b = Bench(w, kv_dtype=kv_dtype, cpu_offload=cpu_offload)
     total_s = float(os.environ.get("FURLONG_BENCH_TIME_S", "480"))
     t_start = time.perf_counter()
     payload: dict[str, Any] = {"workload": w.name, "workload_file": str(workload_path), "kv_dtype": kv_dtype,
@@ -70,7 +71,9 @@ def run_bench(workload_path: str, output_path: str | None = None, parts: str = "
         for name in names:
             rep = b.reports[name] = PartReport(name)
             left = total_s - (time.perf_counter() - t_start)
-            guard = min(PART_GUARD_S[name], left - 5) if b.device.type == "cuda" else left - 5
+            # FURLONG_BENCH_GUARD_S raises every part's guard (long workloads: a 77 s rollout runs twice)
+            part_s = float(os.environ.get("FURLONG_BENCH_GUARD_S", PART_GUARD_S[name]))
+            guard = min(part_s, left - 5) if b.device.type == "cuda" else left - 5
             if guard < 15:
                 rep.error = f"only {left:.0f}s left of the {total_s:.0f}s bench budget"
             else:

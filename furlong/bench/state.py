@@ -19,6 +19,7 @@ from furlong.config import Config
 from furlong.models.decoder import Transformer
 from furlong.trainer.fsdp import compute_dtype
 from furlong.models.hf_config import ModelArgs
+from furlong.trainer.memory_plan import MemoryPlan
 from furlong.trainer.trainer_config import BatchingConfig
 from furlong.types import TrainSample
 
@@ -34,10 +35,12 @@ class NullTokenizer:
 class Bench:
     """Shared state of one bench run: device, seeded models (built lazily), results."""
 
-    def __init__(self, workload: Workload, seed: int = 0, kv_dtype: str = "auto"):
+    def __init__(self, workload: Workload, seed: int = 0, kv_dtype: str = "auto", cpu_offload: bool = False):
         from furlong.launch.distributed import init_distributed
         self.w, self.seed = workload, seed
         self.kv_dtype = kv_dtype          # the engine's KV cache: auto (the model's dtype) | bf16 | fp8_e4m3
+        self.cpu_offload = cpu_offload    # --fsdp-cpu-offload for the actor
+        self.plan: MemoryPlan | None = None   # the actor's memory plan (CUDA), as run set-up makes it
         self.owns_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         self.ctx = init_distributed("auto")
         self.device = self.ctx.device
@@ -80,13 +83,30 @@ class Bench:
         if self._actor is None:
             from furlong.config_map import actor_config
             from furlong.trainer.actor import Actor
-            self._actor = Actor(self.random_model(), actor_config(self.config()), self.ctx)
+            cfg = self.config()
+            cfg.parallel.fsdp_cpu_offload = self.cpu_offload
+            self._actor = Actor(self.random_model(), actor_config(cfg), self.ctx)
+            if self.device.type == "cuda" and self.w.use_dynamic_batch_size:
+                # run set-up's memory plan: the workload's budget, recompute on or the budget lowered when
+                # it would not fit (a bigger model with the seed's flags), with the engine's weights resident
+                from furlong.trainer.memory_probe import plan_trainer_memory
+                reserved = sum(p.numel() * p.element_size() for p in self.engine().parameters())
+                self.plan = plan_trainer_memory(self._actor, self.w.max_tokens_per_gpu, False,
+                                                min_tokens=max(self.w.sample_lengths()), reserved_bytes=reserved)
+                self._actor.model.gradient_checkpointing = self.plan.gradient_checkpointing
+                print(f"[bench] memory plan: {self.plan.max_tokens_per_gpu} tokens, recompute "
+                      f"{'on' if self.plan.gradient_checkpointing else 'off'}"
+                      + (f" ({self.plan.note})" if self.plan.note else ""), flush=True)
         return self._actor
 
     def steps(self) -> BatchingConfig:
-        """The workload's micro-batch plan (what the loop passes the trainers)."""
+        """The workload's micro-batch plan (what the loop passes the trainers), with the memory plan's
+        budget once the actor exists on CUDA."""
         from furlong.config_map import batching_config
-        return batching_config(self.config())
+        steps = batching_config(self.config())
+        if self.plan is not None:
+            steps = dataclasses.replace(steps, max_tokens_per_gpu=self.plan.max_tokens_per_gpu)
+        return steps
 
     def release_actor(self) -> None:
         """Drop the actor and everything that pins it: compiled code caches hold references to the

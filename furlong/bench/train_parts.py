@@ -89,6 +89,9 @@ def part_train(b: Bench) -> TrainResult:
         mbs1_num_micro_batches=mbs1_mb,
         dynamic_over_mbs1_speedup=None if mbs1_s is None else mbs1_s / train_s,
         weight_sync_s=sync_s, weight_sync_gib=None if sync_bytes is None else sync_bytes / 2**30,
+        planned_max_tokens=None if b.plan is None else b.plan.max_tokens_per_gpu,
+        gradient_checkpointing=bool(actor.model.gradient_checkpointing), cpu_offload=b.cpu_offload,
+        memory_note=None if b.plan is None else b.plan.note,
         weight_sync_note=note)
 
 

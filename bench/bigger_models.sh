@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Device runs behind BENCHMARKS.md "Bigger models, fp8 KV": each step writes JSON/logs into $OUT.
+#   bash bench/bigger_models.sh PART...   PART: gpu-tests | decode-fp8 | seed-fp8 | 4b | 8b-offload | 8b-lora | long-fp8
+# Every run is bounded by `timeout` so that $OUT always comes back within the device call.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-bench/out}"; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+bench() {  # name seconds args...
+    local name=$1 secs=$2; shift 2
+    FURLONG_BENCH_TIME_S=$((secs - 20)) timeout -k 10 "$secs" python3 -m furlong bench --output "$OUT/$name.json" "$@" \
+        >"$OUT/$name.log" 2>&1
+    echo "== $name: exit $?"; grep -E "^(step|train +(train_tok|train_mfu|train_peak|num_micro|planned|gradient|cpu_off|weight_sync_s)|rollout +(seconds|tok_per|first_sec|kv_cache|status))|memory plan|Error|error" "$OUT/$name.log" | head -40
+}
+for part in "$@"; do
+    case $part in
+    gpu-tests) timeout -k 10 300 python3 -m pytest -m gpu -q -s --timeout=240 -p no:cacheprovider \
+                   tests/test_kv_fp8_gpu.py tests/test_engine_gpu.py tests/test_actor.py >"$OUT/gpu_tests.log" 2>&1
+               echo "== gpu-tests: exit $?"; grep -E "passed|failed|gap|FAILED" "$OUT/gpu_tests.log" | tail -8 ;;
+    decode-fp8) timeout -k 10 120 python3 bench/profile_decode.py --batch 256 --context 640 --kv-dtype bf16,fp8_e4m3 \
+                   --out "$OUT" >"$OUT/profile_decode.log" 2>&1; echo "== decode-fp8: exit $?"
+                python3 -c "import json; d=json.load(open('$OUT/profile_decode.json')); [print(r['kv_dtype'], round(r['graphed_step_ms'], 3), 'ms/step') for r in d.get('runs', [d])]" ;;
+    seed-fp8) bench seed_bf16 200 --workload bench/seed_workload.json --parts rollout
+              bench seed_fp8 200 --workload bench/seed_workload.json --parts rollout --kv-dtype fp8_e4m3 ;;
+    4b) bench qwen3_4b 300 --workload bench/qwen3_4b_workload.json --parts train,rollout ;;
+    8b-offload) FURLONG_BENCH_GUARD_S=380 bench qwen3_8b_offload 420 --workload bench/qwen3_8b_workload.json --parts train --fsdp-cpu-offload ;;
+    long-fp8) FURLONG_BENCH_GUARD_S=270 bench long_bf16 300 --workload bench/long_workload.json --parts rollout
+              FURLONG_BENCH_GUARD_S=270 bench long_fp8 300 --workload bench/long_workload.json --parts rollout --kv-dtype fp8_e4m3 ;;
+    *) echo "unknown part $part" ;;
+    esac
+done
