@@ -18,12 +18,12 @@ EXIT_USAGE = 2
 MAX_SYNTHETIC_ROWS = 10_000_000   # `prepare synthetic` builds every row in memory (~1 GB at this size)
 
 
-def parse_config(argv: Sequence[str], command: str = "train") -> Config:
-    """Flags -> validated Config (raises UsageError / ValueError)."""
+def parse_config(argv: Sequence[str], command: str = "train", reward_given: bool = False) -> Config:
+    """Flags -> validated Config (raises UsageError / ValueError); `reward_given`: see validate."""
     parser = _Parser(prog=f"furlong {command}", add_help=False)
     add_config_flags(parser, command)
     cfg = config_from_namespace(parser.parse_args(list(argv)))
-    validate(cfg, command)
+    validate(cfg, command, reward_given)
     return cfg
 
 

@@ -102,11 +102,12 @@ def _config_groups() -> list[tuple[str, type]]:
 # The flags each command reads: config groups, less the fields of them it never reads. A flag outside
 # its command's set is refused ("a flag of furlong train"), so `eval --lr` cannot be silently ignored.
 _EVAL_ROLLOUT = {"num_rollout", "rollout_batch_size", "n_samples_per_prompt", "over_sampling_batch_size",
-                 "dynamic_sampling_filter_path", "rollout_num_gpus"}
+                 "dynamic_sampling_filter_path", "rollout_num_gpus", "rollout_function_path"}
 COMMAND_FLAGS: dict[str, dict[str, set[str]]] = {
     "train": {g: set() for g in ("data", "reward", "rollout", "eval", "algo", "optim", "batch", "parallel", "ckpt",
                                  "log", "lora")},
-    "sft": {"data": {"label_key", "apply_chat_template", "rollout_shuffle", "rollout_seed", "rollout_max_prompt_len"},
+    "sft": {"data": {"label_key", "apply_chat_template", "rollout_shuffle", "rollout_seed", "rollout_max_prompt_len",
+                     "apply_chat_template_kwargs", "tool_key", "metadata_key"},
             "optim": set(), "batch": {"num_steps_per_rollout", "update_weight_buffer_size"}, "parallel": set(),
             "ckpt": {"save_interval", "load", "ckpt_step"}, "sft": set(),
             "log": {"use_tensorboard", "use_wandb", "wandb_project", "wandb_group", "wandb_key",

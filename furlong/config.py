@@ -37,6 +37,10 @@ class DataFlags:
     rollout_seed: int | None = flag(None, "seed for prompt shuffling and sampling (default: from --seed; "
                                                 "42 with the default --seed, as in miles)")
     rollout_max_prompt_len: int | None = flag(None, "drop prompts longer than this many tokens")
+    apply_chat_template_kwargs: str = flag("{}", "JSON object of extra chat-template arguments, e.g. "
+                                           "'{\"enable_thinking\": false}' for Qwen3")
+    tool_key: str = flag("tools", "column of tool specs given to the chat template (tools=...); rows without have none")
+    metadata_key: str = flag("metadata", "column of a per-row metadata dict (Sample.metadata)")
 
 
 @dataclass
@@ -44,6 +48,7 @@ class RewardFlags:
     rm_type: str | None = flag(None, "built-in reward: math | deepscaler | dapo")
     custom_rm_path: str | None = flag(None, "module.function computing a sample's reward (wins over --rm-type)")
     reward_timeout: float = flag(600.0, "seconds one reward call may take before the run stops")
+    reward_key: str | None = flag(None, "the reward function returns a dict: train on this key's value")
 
 
 @dataclass
@@ -59,6 +64,14 @@ class RolloutFlags:
     rollout_stop_token_ids: list[int] = flag([], "extra stop token ids", nargs="+")
     over_sampling_batch_size: int | None = flag(None, "groups submitted per generation round (default: rollout batch size)")
     dynamic_sampling_filter_path: str | None = flag(None, "group filter function (module path)")
+    rollout_max_context_len: int | None = flag(None, "prompt + response tokens of a sample (multi-turn: all turns)")
+    custom_generate_function_path: str | None = flag(
+        None, "async fn(args, sample, sampling_params) -> Sample making each sample (module path; multi-turn, tools)")
+    custom_generate_timeout: float = flag(600.0, "seconds one custom generate call may take")
+    custom_generate_on_error: str = flag("stop", "a custom generate/rollout function fails on a sample: stop the run "
+                                         "| drop the sample's group (counted)")
+    rollout_function_path: str | None = flag(None, "fn(args, rollout_id, data_source, evaluation) -> sample groups: "
+                                             "replaces the whole rollout step (module path)")
     rollout_num_gpus_per_engine: int = flag(1, "GPUs per rollout engine (built-in engine: one per rank)")
     rollout_num_gpus: int | None = flag(None, "GPUs for rollout (the built-in engine is colocated: the actor's)")
     rollout_kv_fraction: float = flag(0.8, "fraction of free GPU memory the engine's KV cache may take",

@@ -24,13 +24,26 @@ def sglang_flags_set(cfg: Config) -> list[str]:
     return out
 
 
+def chat_template_kwargs(cfg: Config) -> dict:
+    """--apply-chat-template-kwargs parsed: a JSON object (ValueError naming the flag otherwise)."""
+    import json
+    try:
+        value = json.loads(cfg.data.apply_chat_template_kwargs)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--apply-chat-template-kwargs: not JSON ({e.msg} at character {e.pos})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--apply-chat-template-kwargs: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
 def _need(cond: bool, flag_name: str, msg: str) -> None:
     if not cond:
         raise ValueError(f"{flag_name}: {msg}")
 
 
-def validate(cfg: Config, command: str = "train") -> None:
-    """Check flag values and combinations; raise ValueError('--flag: why')."""
+def validate(cfg: Config, command: str = "train", reward_given: bool = False) -> None:
+    """Check flag values and combinations; raise ValueError('--flag: why'). `reward_given`: the Python
+    API hands in a reward callable (api.py), which stands for --custom-rm-path."""
     d, r, a, o, b, p, e = cfg.data, cfg.rollout, cfg.algo, cfg.optim, cfg.batch, cfg.parallel, cfg.eval
     if command in ("train", "sft") or (command == "eval" and cfg.ckpt.load is None):
         _need(d.hf_checkpoint is not None, "--hf-checkpoint", "required" + (" (or --load, whose checkpoint records "
@@ -38,9 +51,15 @@ def validate(cfg: Config, command: str = "train") -> None:
     if command in ("train", "sft"):
         _need(d.prompt_data is not None, "--prompt-data", "required")
     if command == "train":
-        _need(cfg.reward.rm_type is not None or cfg.reward.custom_rm_path is not None,
+        _need(reward_given or cfg.reward.rm_type is not None or cfg.reward.custom_rm_path is not None,
               "--rm-type", "give --rm-type or --custom-rm-path")
     _need(cfg.reward.reward_timeout > 0, "--reward-timeout", "must be > 0 seconds")
+    chat_template_kwargs(cfg)
+    _need(r.rollout_max_context_len is None or r.rollout_max_context_len >= 2, "--rollout-max-context-len",
+          "must be >= 2 (a prompt token and a response token)")
+    _need(r.custom_generate_timeout > 0, "--custom-generate-timeout", "must be > 0 seconds")
+    _need(r.custom_generate_on_error in ("stop", "drop"), "--custom-generate-on-error",
+          f"expected stop or drop, got {r.custom_generate_on_error!r}")
     _need(r.num_rollout >= 0, "--num-rollout", "must be >= 0")
     _need(r.rollout_batch_size >= 1, "--rollout-batch-size", "must be >= 1")
     _need(r.n_samples_per_prompt >= 1, "--n-samples-per-prompt", "must be >= 1")

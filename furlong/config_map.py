@@ -21,10 +21,12 @@ from furlong.algorithms.losses import LossConfig
 from furlong.algorithms.shaping import ShapingConfig
 from furlong.checkpoint.run import CheckpointConfig
 from furlong.config import Config
+from furlong.config_checks import chat_template_kwargs
 from furlong.engine.engine import EngineConfig
 from furlong.engine.sampling import SamplingParams
 from furlong.models.lora import LoraConfig
 from furlong.models.lora_names import parse_target_modules
+from furlong.rollout.custom_generate import GenerateConfig
 from furlong.rollout.eval import EvalConfig
 from furlong.rollout.rollout import RolloutConfig
 from furlong.run.step import LogProbPasses, log_prob_passes
@@ -51,6 +53,7 @@ class RunConfig:
     ci_threshold: float | None
     ci_check_kl: bool                # --ci-test: the first actor step's ppo_kl must be ~0
     max_nonfinite_skips: int         # stop after this many optimizer steps in a row skipped (0: never)
+    generate: GenerateConfig = GenerateConfig(max_context_len=None)   # custom generate/rollout functions
 
     def with_max_tokens(self, max_tokens_per_gpu: int) -> RunConfig:
         """This config with the micro-batch token budget the memory probe chose ('auto')."""
@@ -158,7 +161,13 @@ def rollout_config(cfg: Config) -> RolloutConfig:
                               stop_token_ids=list(r.rollout_stop_token_ids))
     over = r.rollout_batch_size if r.over_sampling_batch_size is None else r.over_sampling_batch_size
     return RolloutConfig(rollout_batch_size=r.rollout_batch_size, n_samples_per_prompt=r.n_samples_per_prompt,
-                         over_sampling_batch_size=over, sampling=sampling, seed=rollout_seed(cfg))
+                         over_sampling_batch_size=over, sampling=sampling, seed=rollout_seed(cfg),
+                         max_context_len=r.rollout_max_context_len)
+
+
+def generate_config(cfg: Config) -> GenerateConfig:
+    return GenerateConfig(max_context_len=cfg.rollout.rollout_max_context_len,
+                          chat_template_kwargs=chat_template_kwargs(cfg), flags=cfg)
 
 
 def eval_max_response_len(cfg: Config) -> int:
@@ -179,8 +188,10 @@ def eval_config(cfg: Config) -> EvalConfig:
 
 
 def engine_config(cfg: Config, max_model_len: int) -> EngineConfig:
-    """max_model_len: the longest prompt of the run's data sets plus the longest response (run set-up)."""
+    """max_model_len: the longest prompt of the run's data sets plus the longest response (run set-up);
+    raised to --rollout-max-context-len, the whole context a multi-turn sample may reach."""
     r = cfg.rollout
+    max_model_len = max(max_model_len, r.rollout_max_context_len or 0)
     return EngineConfig(kv_fraction=r.rollout_kv_fraction, max_num_seqs=r.rollout_max_num_seqs,
                         decode_window=r.rollout_decode_window, max_model_len=max_model_len,
                         use_cuda_graphs=not r.rollout_enforce_eager, cascade=not r.rollout_no_cascade,
@@ -209,7 +220,7 @@ def run_config(cfg: Config) -> RunConfig:
         ci_metric_key=lg.ci_metric_checker_key if lg.ci_test else None, ci_threshold=lg.ci_metric_checker_threshold,
         # with old log-probs from the engine the first step's ratio is not exactly 1
         ci_check_kl=lg.ci_test and not lg.ci_disable_kl_checker and not a.use_rollout_logprobs,
-        max_nonfinite_skips=cfg.optim.max_nonfinite_skips)
+        max_nonfinite_skips=cfg.optim.max_nonfinite_skips, generate=generate_config(cfg))
 
 
 # miles' default --rollout-seed minus its default --seed: with neither flag given, runs draw as miles' do

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ class RawRow:
     row: int      # 0-based row index in the source file (before slicing: FILE@[5:] starts at 5)
     raw: Any      # the input-key value: chat messages (list of dicts) or a string
     label: str    # the label-key value as a string ("" without a label key)
+    extras: dict[str, Any] = field(default_factory=dict)   # the optional columns (tools, metadata) the row has
 
 
 _ABSENT = object()   # a jsonl row without the key (None is a JSON null)
@@ -57,8 +59,10 @@ def parse_path_spec(path_spec: str) -> tuple[str, slice | None]:
     return m["path"], slice(int(a) if a else None, int(b) if b else None)
 
 
-def _read_jsonl(path: Path, rows: slice, input_key: str, label_key: str | None) -> list[tuple[int, str, Any, Any]]:
-    """(row index, location text, input value, label value) of the selected rows; only those are parsed."""
+def _read_jsonl(path: Path, rows: slice, input_key: str, label_key: str | None, extra_keys: tuple[str, ...] = ()
+                ) -> list[tuple[int, str, Any, Any, dict]]:
+    """(row index, location text, input value, label value, optional columns present) of the selected rows;
+    only those are parsed."""
     with open(path, "rb") as f:
         raw_lines = f.read().split(b"\n")
     lines = []
@@ -75,11 +79,13 @@ def _read_jsonl(path: Path, rows: slice, input_key: str, label_key: str | None) 
         line_no, line = lines[index]
         where = f"{path}: row {index + 1}" + (f" (line {line_no})" if line_no != index + 1 else "")
         rec = json_object(line, where, DataError)
-        out.append((index, where, rec.get(input_key, _ABSENT), rec.get(label_key, _ABSENT) if label_key else None))
+        out.append((index, where, rec.get(input_key, _ABSENT), rec.get(label_key, _ABSENT) if label_key else None,
+                    {k: rec[k] for k in extra_keys if rec.get(k) is not None}))
     return out
 
 
-def _read_parquet(path: Path, rows: slice, input_key: str, label_key: str | None) -> list[tuple[int, str, Any, Any]]:
+def _read_parquet(path: Path, rows: slice, input_key: str, label_key: str | None, extra_keys: tuple[str, ...] = ()
+                  ) -> list[tuple[int, str, Any, Any, dict]]:
     import pyarrow.parquet as pq
 
     try:
@@ -91,6 +97,8 @@ def _read_parquet(path: Path, rows: slice, input_key: str, label_key: str | None
         if key is not None and key not in columns:
             raise DataError(f"{path}: row 1: missing {kind} key {key!r} (columns: {', '.join(columns)})")
     wanted = [input_key] + ([label_key] if label_key and label_key != input_key else [])
+    extra = [k for k in extra_keys if k in columns and k not in wanted]
+    wanted += extra
     indices = range(pf.metadata.num_rows)[rows]
     if len(indices) == 0:
         return []
@@ -99,14 +107,17 @@ def _read_parquet(path: Path, rows: slice, input_key: str, label_key: str | None
     table = table.slice(indices.start, len(indices))
     inputs = table.column(input_key).to_pylist()
     labels = table.column(label_key).to_pylist() if label_key else [None] * len(inputs)
-    return [(i, f"{path}: row {i + 1}", x, y) for i, x, y in zip(indices, inputs, labels)]
+    extras = [{k: v for k in extra if (v := table.column(k)[j].as_py()) is not None} for j in range(len(inputs))]
+    return [(i, f"{path}: row {i + 1}", x, y, e) for i, x, y, e in zip(indices, inputs, labels, extras)]
 
 
 _READERS = {".jsonl": _read_jsonl, ".parquet": _read_parquet}
 
 
-def load_rows(path_spec: str, input_key: str, label_key: str | None) -> list[RawRow]:
-    """Read the rows selected by `path_spec`, checking that each has the input (and label) key."""
+def load_rows(path_spec: str, input_key: str, label_key: str | None, extra_keys: tuple[str, ...] = ()
+              ) -> list[RawRow]:
+    """Read the rows selected by `path_spec`, checking that each has the input (and label) key;
+    `extra_keys` are optional columns kept in RawRow.extras where a row has them."""
     path_str, rows = parse_path_spec(path_spec)
     path = Path(path_str)
     if path.is_dir():
@@ -116,18 +127,39 @@ def load_rows(path_spec: str, input_key: str, label_key: str | None) -> list[Raw
     reader = _READERS.get(path.suffix.lower())
     if reader is None:
         raise DataError(f"{path}: unknown extension {path.suffix!r} (expected {' or '.join(_READERS)})")
-    raw = reader(path, rows if rows is not None else slice(None), input_key, label_key)
+    raw = reader(path, rows if rows is not None else slice(None), input_key, label_key, extra_keys)
     if not raw:
         raise DataError(f"{path_spec}: empty data set (no rows selected)")
     out = []
-    for index, where, value, label in raw:
+    for index, where, value, label, extras in raw:
         for kind, key, v in (("input", input_key, value), ("label", label_key, label)):
             if key is not None and v is _ABSENT:
                 raise DataError(f"{where}: missing {kind} key {key!r}")
             if key is not None and v is None:
                 raise DataError(f"{where}: {kind} key {key!r} is null")
-        out.append(RawRow(row=index, raw=value, label="" if label is None else str(label)))
+        out.append(RawRow(row=index, raw=value, label="" if label is None else str(label), extras=extras))
     return out
+
+
+def _json_value(value: Any, kind: type, where: str, flag_name: str, key: str) -> Any:
+    """A column value that is `kind` or a JSON string of one (parquet often stores them as strings)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise DataError(f"{where}: key {key!r} ({flag_name}): not valid JSON") from None
+    if not isinstance(value, kind):
+        raise DataError(f"{where}: key {key!r} ({flag_name}): expected a {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def row_metadata(r: RawRow, where: str, tool_key: str | None, metadata_key: str | None) -> dict[str, Any]:
+    """The row's --metadata-key dict, with its --tool-key specs under "tools" (as miles)."""
+    meta = dict(_json_value(r.extras[metadata_key], dict, where, "--metadata-key", metadata_key)) \
+        if metadata_key in r.extras else {}
+    if tool_key in r.extras:
+        meta["tools"] = _json_value(r.extras[tool_key], list, where, "--tool-key", tool_key)
+    return meta
 
 
 def _check_messages(value: Any, where: str, input_key: str) -> None:
@@ -143,12 +175,15 @@ class PromptDataset:
 
     def __init__(self, path_spec: str, tokenizer: Any, input_key: str = "input", label_key: str | None = None,
                  apply_chat_template: bool = False, shuffle: bool = False, seed: int = 42,
-                 max_prompt_len: int | None = None, max_context_len: int | None = None):
+                 max_prompt_len: int | None = None, max_context_len: int | None = None,
+                 tool_key: str | None = None, metadata_key: str | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None):
         self.path_spec = path_spec
         self.shuffle = shuffle
         self.seed = seed
         path = parse_path_spec(path_spec)[0]
-        rows = load_rows(path_spec, input_key, label_key)
+        rows = load_rows(path_spec, input_key, label_key, tuple(k for k in (tool_key, metadata_key) if k))
+        metas = [row_metadata(r, f"{path}: row {r.row + 1}", tool_key, metadata_key) for r in rows]
 
         conversations, texts = [], []
         for r in rows:
@@ -164,19 +199,27 @@ class PromptDataset:
         if apply_chat_template:
             if getattr(tokenizer, "chat_template", None) is None:
                 raise DataError("--apply-chat-template: the tokenizer has no chat template")
-            texts = tokenizer.apply_chat_template(conversations, tokenize=False, add_generation_prompt=True)
+            kwargs = chat_template_kwargs or {}
+            if any("tools" in m for m in metas):   # tools differ per row: one call each
+                texts = [tokenizer.apply_chat_template(c, tools=m.get("tools"), tokenize=False,
+                                                       add_generation_prompt=True, **kwargs)
+                         for c, m in zip(conversations, metas)]
+            else:
+                texts = tokenizer.apply_chat_template(conversations, tokenize=False, add_generation_prompt=True,
+                                                      **kwargs)
         token_ids = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"]
 
         self.num_dropped = 0  # prompts over --rollout-max-prompt-len
         self.prompts: list[Prompt] = []
-        for r, text, ids in zip(rows, texts, token_ids):
+        for r, text, ids, meta in zip(rows, texts, token_ids, metas):
             if max_prompt_len is not None and len(ids) > max_prompt_len:
                 self.num_dropped += 1
                 continue
             if max_context_len is not None and len(ids) > max_context_len:
                 raise DataError(f"{path}: row {r.row + 1}: prompt is {len(ids)} tokens, over the {max_context_len} "
                                 f"the model's context leaves after --rollout-max-response-len")
-            self.prompts.append(Prompt(row=r.row, raw=r.raw, text=text, token_ids=list(ids), label=r.label))
+            self.prompts.append(Prompt(row=r.row, raw=r.raw, text=text, token_ids=list(ids), label=r.label,
+                                       metadata=meta))
         if not self.prompts:
             raise DataError(f"{path_spec}: all {len(rows)} prompts are longer than "
                             f"--rollout-max-prompt-len {max_prompt_len}")

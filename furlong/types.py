@@ -8,8 +8,9 @@ tokens of one sample, N = samples in a micro-batch.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -33,23 +34,98 @@ class Prompt:
     text: str                    # prompt text after the chat template (if any)
     token_ids: list[int]         # [P]
     label: str                   # the label-key value as a string ("" when absent)
+    metadata: dict[str, Any] = field(default_factory=dict)   # the --metadata-key value; "tools": the --tool-key value
+
+
+class SampleStatus(enum.Enum):
+    """miles' Sample.Status over furlong's finish_reason strings (the value IS the finish_reason)."""
+    PENDING = "pending"          # handed to a custom generate function, not finished yet
+    COMPLETED = "stop"           # EOS or stop string
+    TRUNCATED = "length"         # hit the response or context limit
+    ABORTED = "abort"
+    FAILED = "failed"            # a recoverable failure inside a custom generate function (tool error, ...)
 
 
 @dataclass
 class Sample:
-    """One generated response to a prompt."""
+    """One generated response to a prompt. A multi-turn response holds the model's turns and the
+    tool/environment tokens between them, in order; `loss_mask` tells them apart. The properties
+    `tokens`, `response_length`, `response`, `label` and `status` are miles' names for these fields."""
     prompt: Prompt
     group_id: int                # which group (prompt occurrence) within the rollout
     index: int                   # position within its group, 0..n-1
-    response_ids: list[int]      # [R] generated tokens, including a final EOS/stop token if produced
+    response_ids: list[int]      # [R] response tokens (model and tool tokens), incl. a final EOS/stop token
     response_text: str           # decoded response (special tokens kept)
-    rollout_log_probs: list[float]  # [R] engine log-probs of the sampled tokens (after temperature)
-    finish_reason: str           # "stop" (EOS or stop string) | "length" (hit max response length)
-    reward: float = 0.0
+    rollout_log_probs: list[float]  # [R] engine log-probs of the sampled tokens (after temperature); 0.0 on tool tokens
+    finish_reason: str           # a SampleStatus value: "stop" | "length" | "abort" | "failed" | "pending"
+    reward: float | None = None  # None until rewarded (a custom generate function may set it)
+    loss_mask: list[int] | None = None       # [R] 1 = model token (trains), 0 = tool/environment token; None: all 1
+    metadata: dict[str, Any] = field(default_factory=dict)   # free-form, per sample (starts as the prompt's)
+
+    Status: ClassVar[type[SampleStatus]] = SampleStatus
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt.token_ids) + len(self.response_ids)
+
+    @property
+    def tokens(self) -> list[int]:
+        """[P+R] prompt then response tokens (miles' `tokens`; read-only: set response_ids)."""
+        return self.prompt.token_ids + self.response_ids
+
+    @property
+    def response_length(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def response(self) -> str:
+        return self.response_text
+
+    @response.setter
+    def response(self, text: str) -> None:
+        self.response_text = text
+
+    @property
+    def label(self) -> str:
+        return self.prompt.label
+
+    @property
+    def status(self) -> SampleStatus:
+        return SampleStatus(self.finish_reason)
+
+    @status.setter
+    def status(self, value: SampleStatus) -> None:
+        self.finish_reason = SampleStatus(value).value
+
+    @property
+    def num_trained_tokens(self) -> int:
+        return len(self.response_ids) if self.loss_mask is None else sum(self.loss_mask)
+
+    @property
+    def num_turns(self) -> int:
+        """Model turns: runs of trained tokens in the response (1 without a loss mask)."""
+        if self.loss_mask is None:
+            return 1
+        return sum(1 for j, m in enumerate(self.loss_mask) if m and (j == 0 or not self.loss_mask[j - 1]))
+
+    def add_model_tokens(self, token_ids: list[int], log_probs: list[float], text: str) -> None:
+        """Append a model turn's tokens [k] with their engine log-probs [k] (trained: mask 1)."""
+        self._add(token_ids, list(log_probs), text, 1)
+
+    def add_tool_tokens(self, token_ids: list[int], text: str) -> None:
+        """Append tool/environment tokens [k] (in the context, out of the loss: mask 0, log-prob 0.0)."""
+        self._add(token_ids, [0.0] * len(token_ids), text, 0)
+
+    def _add(self, token_ids: list[int], log_probs: list[float], text: str, mask: int) -> None:
+        if len(log_probs) != len(token_ids):
+            raise ValueError(f"sample (group {self.group_id}, index {self.index}): {len(token_ids)} tokens, "
+                             f"{len(log_probs)} log-probs")
+        if self.loss_mask is None:
+            self.loss_mask = [1] * len(self.response_ids)
+        self.response_ids = self.response_ids + list(token_ids)
+        self.rollout_log_probs = self.rollout_log_probs + log_probs
+        self.loss_mask = self.loss_mask + [mask] * len(token_ids)
+        self.response_text += text
 
     @property
     def truncated(self) -> bool:

@@ -173,6 +173,6 @@ def test_timeout_and_attempt_store_reach_init_process_group(monkeypatch):
 def test_use_fault_tolerance_loads_from_save(tmp_path, monkeypatch):
     from furlong.launch import entry
     got = {}
-    monkeypatch.setattr(entry, "_worker", lambda command, cfg: got.setdefault("load", cfg.ckpt.load) and 0)
+    monkeypatch.setattr(entry, "_worker", lambda command, cfg, user=None: got.setdefault("load", cfg.ckpt.load) and 0)
     entry.launch("train", cfg_of(tmp_path, "--use-fault-tolerance"))
     assert got["load"] == str(tmp_path / "ck")

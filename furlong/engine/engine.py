@@ -5,6 +5,10 @@
     engine.generate(requests)  # the same, all at once; completions in request order
     engine.release()           # free the KV cache for the colocated trainer
 
+Multi-turn: a request with `retain_kv` keeps its pages when it finishes; the
+next turn, `continues` = its id with the whole conversation as the prompt,
+prefills only what is not cached (retained.py); `free` ends a conversation.
+
 Each `step` is one scheduler plan (scheduler.py) run by the model runner
 (model_runner.py) and handed back to the scheduler (`postprocess`): a packed
 prefill of newly admitted prompts (each prompt once; its n samples fork from it
@@ -118,6 +122,11 @@ class Engine:
         if self.scheduler is None:
             self._start()
         self.scheduler.add(request)
+
+    def free(self, request_ids: set[int]) -> None:
+        """End these conversations: the retained KV pages of their finished requests are freed."""
+        if self.scheduler is not None:
+            self.scheduler.retained.drop(request_ids)
 
     def has_work(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_work()

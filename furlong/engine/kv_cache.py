@@ -16,11 +16,12 @@ writes k, v into the cache and returns the attention output [N, Hq, D]:
 
   PrefillContext  N packed new tokens of several sequences (cu_seqlens): each
                   attends causally within its own segment (packed_attention,
-                  varlen on CUDA), and its k/v go to their slots. Prefill always
-                  starts a sequence at position 0 (new prompts, or a preempted
-                  sequence recomputed whole), so no cached prefix is read (and
-                  with an fp8 cache the prompt attends over its unquantised k/v;
-                  only later reads see the stored fp8).
+                  varlen on CUDA), and its k/v go to their slots. It starts a
+                  sequence at position 0 (new prompts, or a preempted sequence
+                  recomputed whole), so no cached prefix is read (and with an
+                  fp8 cache the prompt attends over its unquantised k/v; only
+                  later reads see the stored fp8). A continued conversation's
+                  prefill reads its cached prefix: prefix_prefill.py.
   DecodeContext   one token per sequence: the new k/v go to the row's slot, then the row
                   attends over its first context_lens[b] cached tokens through
                   its block table: the Triton kernel on CUDA (kernels.py, GQA

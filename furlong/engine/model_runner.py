@@ -41,6 +41,7 @@ from furlong.engine.decode_inputs import DecodeInputs, sampling_rows
 from furlong.engine.forward import EngineForward
 from furlong.engine.kv_cache import DecodeContext, KVLayout, PagedKVCache, PrefillContext
 from furlong.engine.kv_fp8 import FP8, kv_storage_dtype
+from furlong.engine.prefix_prefill import prefix_prefill_context
 from furlong.engine.sampling import SamplingRows, row_thresholds, sample_reference
 from furlong.engine.scheduler import PrefillItem
 from furlong.engine.sequence import Sequence, StepOutput
@@ -141,23 +142,26 @@ class ModelRunner:
 
     # ---- prefill -------------------------------------------------------------------------------
     def prefill(self, items: list[PrefillItem]) -> StepOutput:
-        """Packed forward over each item's token_ids (slots from its first sequence's block table), the
+        """Packed forward over each item's token_ids at positions start.. (slots from its first sequence's
+        block table; a continuation's tokens also attend to its cached prefix, prefix_prefill.py), the
         items' page copies, then the first new token of every sequence (an item's n samples share its
         last position's logits)."""
         ids, pos, pages, offs, cu = [], [], [], [], [0]
         ps = self.page_size
         for item in items:
             table = item.sequences[0].block_table
-            n = len(item.token_ids)
+            n, start = len(item.token_ids), item.start
             ids.extend(item.token_ids)
-            pos.extend(range(n))
-            pages.extend(table[i // ps] for i in range(n))
-            offs.extend(i % ps for i in range(n))
+            pos.extend(range(start, start + n))
+            pages.extend(table[i // ps] for i in range(start, start + n))
+            offs.extend(i % ps for i in range(start, start + n))
             cu.append(cu[-1] + n)
         dev = self.device
         as_t = lambda x, dt=torch.int64: torch.tensor(x, dtype=dt).to(dev, non_blocking=True)  # noqa: E731
         ctx = PrefillContext(self.cache, as_t(pages), as_t(offs), as_t(cu, torch.int32),
                              max(b - a for a, b in zip(cu[:-1], cu[1:])))
+        if any(item.start for item in items):
+            ctx = prefix_prefill_context(ctx, items, dev)
         hidden = self.forward.hidden(as_t(ids), as_t(pos), ctx.attend)                    # [T, H]
         logits = self.forward.logits(hidden[as_t(cu[1:]) - 1])                            # [N, V]
         copies = [c for item in items for c in item.page_copies]
@@ -165,7 +169,7 @@ class ModelRunner:
         seqs = [s for item in items for s in item.sequences]
         reps = torch.tensor([len(item.sequences) for item in items], device=dev)
         logits = logits.repeat_interleave(reps, dim=0, output_size=len(seqs))   # output_size: no sync
-        positions = [len(item.token_ids) for item in items for _ in item.sequences]
+        positions = [item.start + len(item.token_ids) for item in items for _ in item.sequences]
         rows = sampling_rows(seqs, self.args.vocab_size, positions, dev)
         tok, lp = self.sample(logits, rows, truncate=any(s.params.truncates for s in seqs))
         return StepOutput([[t] for t in tok.tolist()], [[x] for x in lp.tolist()])   # one sync

@@ -21,7 +21,10 @@ of two plans, and `postprocess` takes what the model runner sampled for it:
            queue to be re-prefilled (recompute, as vLLM's default).
   postprocess  prefilled sequences join the running set; each row keeps its
            new tokens up to its first stop (stop.py); finished rows leave and
-           free their pages; the step is counted in the engine's stats.
+           free their pages (a `retain_kv` request's are parked for its next
+           turn instead, retained.py); the step is counted in the engine's stats.
+A `continues` request waits as a sequence that holds its cached prefix's pages
+and prefills the rest; parked pages are freed before anything is preempted.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from furlong.engine.block_manager import BlockManager, pages_for
+from furlong.engine.retained import RetainedKV
 from furlong.engine.sequence import Request, Sequence, Status, StepOutput, new_sequences
 from furlong.engine.stats import EngineStats
 from furlong.engine.stop import StopRules
@@ -40,6 +44,7 @@ class PrefillItem:
     sequences: list[Sequence]    # [n] forks of one prompt, or one resumed sequence
     token_ids: list[int]         # tokens to prefill (prompt, or a resumed sequence's tokens)
     page_copies: list[tuple[int, int]]   # (src, dst) pages: the fork's copied last page, after the prefill
+    start: int = 0               # position of token_ids[0]: tokens before it are in the cache (a continuation)
 
 
 @dataclass
@@ -65,6 +70,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.active_ids: dict[int, int] = {}      # request id -> samples not yet finished
         self._serials = itertools.count()         # Sequence.serial of each admission
+        self.retained = RetainedKV(blocks)        # finished `retain_kv` sequences, pages kept for the next turn
 
     def add(self, request: Request) -> None:
         if request.request_id in self.active_ids:
@@ -81,7 +87,9 @@ class Scheduler:
         if self._pages_needed(request) > self.blocks.num_blocks - 1:
             raise ValueError(f"request {request.request_id}: needs {self._pages_needed(request)} KV pages, the cache "
                              f"has {self.blocks.num_blocks - 1} (raise --rollout-kv-fraction)")
-        self.waiting.append(request)
+        if (request.retain_kv or request.continues is not None) and request.n != 1:
+            raise ValueError(f"request {request.request_id}: retain_kv and continues need n = 1, got {request.n}")
+        self.waiting.append(request if request.continues is None else self.retained.continuation(request))
         self.active_ids[request.request_id] = request.n
 
     def has_work(self) -> bool:
@@ -91,13 +99,16 @@ class Scheduler:
         """(samples, prefill tokens) of a waiting item."""
         if isinstance(item, Request):
             return item.n, len(item.prompt_ids)
-        return 1, item.num_tokens
+        return 1, item.num_tokens - item.num_cached
 
     def _pages_needed(self, item: Request | Sequence) -> int:
         num, tokens = self._unit(item)
-        fork = self.blocks.fork_cost(tokens, num) if isinstance(item, Request) else 0
-        head_room = num * pages_for(self.window + 1, self.blocks.block_size)    # one decode window per sample
-        return pages_for(tokens, self.blocks.block_size) + fork + head_room
+        size = self.blocks.block_size
+        if isinstance(item, Request):
+            own = pages_for(tokens, size) + self.blocks.fork_cost(tokens, num)
+        else:       # preempted (no pages) or a continuation (its cached prefix's pages held)
+            own = pages_for(item.num_tokens, size) - len(item.block_table)
+        return own + num * pages_for(self.window + 1, size)    # head-room: one decode window per sample
 
     def _admit(self) -> list[PrefillItem]:
         free_pages, free_rows = self.blocks.num_free, self.max_num_seqs - len(self.running)
@@ -122,7 +133,8 @@ class Scheduler:
                 out.append(PrefillItem(sequences=seqs, token_ids=list(item.prompt_ids), page_copies=[]))
             else:
                 self.blocks.grow(item.block_table, item.num_tokens)
-                out.append(PrefillItem(sequences=[item], token_ids=list(item.token_ids), page_copies=[]))
+                out.append(PrefillItem(sequences=[item], token_ids=item.token_ids[item.num_cached:], page_copies=[],
+                                       start=item.num_cached))
             for s in out[-1].sequences:
                 s.serial = next(self._serials)
         for item in out:          # after every prompt's own pages, as when the fork followed the prefill
@@ -135,6 +147,7 @@ class Scheduler:
 
     def schedule(self) -> Plan | None:
         if self.waiting:
+            self._make_room(self._pages_needed(self.waiting[0]))
             items = self._admit()
             if items:
                 return Plan(prefill=items, decode=[], window=0)
@@ -152,12 +165,26 @@ class Scheduler:
                 self.blocks.grow(seq.block_table, seq.num_tokens - 1 + window)
                 i += 1
                 continue
+            if self.retained.evict_oldest():
+                continue
             victim = self.running[-1]
             if victim is seq and i == 0:
                 raise RuntimeError(f"scheduler: one sequence ({seq.num_tokens} tokens) does not fit the KV cache")
             self.preempt(victim)
         used = self.blocks.num_used / max(self.blocks.num_blocks - 1, 1)
         return Plan(prefill=[], decode=list(self.running), window=window, kv_used=used)
+
+    def _make_room(self, need: int) -> None:
+        """Free pages for the first waiting item: parked pages first; with nothing running (no page
+        will come back otherwise), then the cached prefixes of later waiting continuations (recomputed)."""
+        while self.blocks.num_free < need and self.retained.evict_oldest():
+            pass
+        for item in reversed(self.waiting):
+            if self.blocks.num_free >= need or self.running or item is self.waiting[0]:
+                break
+            if isinstance(item, Sequence) and item.block_table:
+                self.blocks.release(item.block_table)
+                item.num_cached = 0
 
     def start(self, seqs: list[Sequence]) -> None:
         """Prefilled sequences join the running set."""
@@ -168,6 +195,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.release(seq.block_table)
+        seq.num_cached = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.stats.num_preemptions += 1
@@ -192,6 +220,7 @@ class Scheduler:
         if plan.prefill:
             st.num_prefill_steps += 1
             st.num_prefill_tokens += sum(len(item.token_ids) for item in plan.prefill)
+            st.num_cached_tokens += sum(item.start for item in plan.prefill)
         else:
             st.kv_used_sum += plan.kv_used
             st.num_windows += 1
@@ -203,7 +232,10 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq in self.running:
             self.running.remove(seq)
-        self.blocks.release(seq.block_table)
+        if seq.request.retain_kv and reason != "abort":
+            self.retained.park(seq)
+        else:
+            self.blocks.release(seq.block_table)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         self._retire(seq.request.request_id)
@@ -216,7 +248,9 @@ class Scheduler:
             self.active_ids.pop(request_id, None)
 
     def abort(self, request_ids: set[int]) -> list[Sequence]:
-        """Drop every waiting or running sequence of these requests; returns the running ones aborted."""
+        """Drop every waiting or running sequence of these requests (and their parked pages); returns the
+        sequences aborted."""
+        self.retained.drop(request_ids)
         aborted = [s for s in self.running if s.request.request_id in request_ids]
         for s in aborted:
             self.finish(s, "abort")
@@ -225,6 +259,7 @@ class Scheduler:
             rid = item.request_id if isinstance(item, Request) else item.request.request_id
             if rid in request_ids:
                 if isinstance(item, Sequence):
+                    self.blocks.release(item.block_table)      # a continuation's cached prefix
                     item.status, item.finish_reason = Status.FINISHED, "abort"
                     aborted.append(item)
                     self._retire(rid)

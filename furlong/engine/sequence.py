@@ -1,7 +1,10 @@
 """Requests in, completions out, and the per-sequence state the scheduler moves around.
 
 A `Request` is one prompt with its own SamplingParams (and so its own
-max_new_tokens) and `n` samples. The engine prefills the prompt once and forks
+max_new_tokens) and `n` samples. A multi-turn conversation is a chain of
+requests: each with `retain_kv` keeps its pages when it finishes, and the
+next one (`continues` = its id, prompt = the whole conversation so far)
+prefills only the tokens past the cached prefix. The engine prefills the prompt once and forks
 it into n `Sequence`s that share the prompt's full KV blocks. A sequence's
 tokens are `token_ids` = prompt + generated so far; the KV of every token but
 the last is in the cache while it runs (the last one is the next decode input).
@@ -28,6 +31,9 @@ class Request:
     n: int = 1                       # samples; they share the prompt's KV
     seed: int = 0                    # sample j draws with seed derived from (seed, j)
     sample_max_new_tokens: list[int] | None = None   # [n] per-sample override (forced-length benches)
+    retain_kv: bool = False          # n = 1: its KV pages stay after it finishes, for a `continues` request
+    continues: int | None = None     # id of a retained, finished request whose tokens this prompt extends:
+                                     # the KV of the common prefix is reused, only the rest is prefilled
 
 
 @dataclass
@@ -64,6 +70,8 @@ class Sequence:
     num_preemptions: int = 0
     serial: int = -1                         # set at each admission, unique per scheduler: the model runner
                                              # keys its staged buffers on it (object ids are reused)
+    num_cached: int = 0                      # leading tokens whose KV its block table already holds (a
+                                             # continued conversation): the prefill starts here
 
     @property
     def num_tokens(self) -> int:

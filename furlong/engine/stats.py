@@ -9,6 +9,7 @@ from dataclasses import dataclass
 class EngineStats:
     num_prefill_steps: int = 0
     num_prefill_tokens: int = 0
+    num_cached_tokens: int = 0        # continuations' prompt tokens read from retained KV, not prefilled
     num_decode_steps: int = 0
     num_decode_rows: int = 0          # sum over decode steps of running rows
     num_grouped_rows: int = 0         # of those, rows that read their prompt's KV once per group (cascade)

@@ -31,6 +31,7 @@ from furlong.config import Config
 
 if TYPE_CHECKING:   # furlong.types imports torch, which `furlong --help` need not load
     from furlong.launch.failure import Position
+    from furlong.run.user_functions import UserFunctions
     from furlong.types import DistContext
 
 EXIT_BAD_INPUT = 2
@@ -80,9 +81,9 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _run_train(cfg: Config, ctx: DistContext, position: Position) -> int:
+def _run_train(cfg: Config, ctx: DistContext, position: Position, user: UserFunctions | None = None) -> int:
     from furlong.run.loop import run_rl
-    return run_rl(cfg, ctx, position)
+    return run_rl(cfg, ctx, position, user)
 
 
 def _run_sft(cfg: Config, ctx: DistContext, position: Position) -> int:
@@ -100,7 +101,7 @@ RUNS: dict[str, Callable[[Config, DistContext, Position], int]] = {
     "train": _run_train, "sft": _run_sft, "eval": _run_eval}
 
 
-def _worker(command: str, cfg: Config) -> int:
+def _worker(command: str, cfg: Config, user: UserFunctions | None = None) -> int:
     """One rank: join (or form) the process group, run, leave. Errors propagate to the caller:
     cli.main in this process, or launch_local's worker wrapper in a spawned one; with several
     ranks, as the RunStopped line of failure.stop_report (unless the rank's own user error)."""
@@ -109,7 +110,8 @@ def _worker(command: str, cfg: Config) -> int:
     ctx = init_distributed(cfg.parallel.device, timeout_minutes=cfg.parallel.distributed_timeout_minutes)
     position = open_position(ctx.rank, ctx.world_size)
     try:
-        return RUNS[command](cfg, ctx, position)
+        run = RUNS[command] if user is None else functools.partial(RUNS[command], user=user)   # api.py: train
+        return run(cfg, ctx, position)
     except Exception as e:
         if ctx.world_size == 1 or isinstance(e, RunStopped):
             raise
@@ -123,8 +125,9 @@ def _worker(command: str, cfg: Config) -> int:
         destroy_distributed()
 
 
-def launch(command: str, cfg: Config) -> int:
-    """Run `command` here (one process, or one torchrun rank) or in N local workers."""
+def launch(command: str, cfg: Config, user: UserFunctions | None = None) -> int:
+    """Run `command` here (one process, or one torchrun rank) or in N local workers; `user`: the Python
+    API's callables (train only; spawned workers need them picklable)."""
     if cfg.parallel.use_fault_tolerance and cfg.ckpt.load is None:
         cfg.ckpt.load = cfg.ckpt.save   # a restarted worker resumes from the run's own checkpoints
     n = cfg.parallel.actor_num_gpus_per_node
@@ -134,13 +137,13 @@ def launch(command: str, cfg: Config) -> int:
     if n > 1 and not _under_torchrun():
         from furlong.launch.distributed import WorkerError, launch_local
         try:
-            return launch_local(_worker, n, command, cfg, describe=user_error)
+            return launch_local(_worker, n, command, cfg, user, describe=user_error)
         except WorkerError as e:
             # a user error is its own line; a bug printed its traceback in the worker, and this
             # is the line that matters
             print(e.line if e.user_error else f"furlong {command}: error: {e}", file=sys.stderr)
             return e.code if e.user_error else EXIT_RUN_FAILED
-    return _worker(command, cfg)
+    return _worker(command, cfg, user)
 
 
 # `furlong <command>` -> its entry point (cli.py)

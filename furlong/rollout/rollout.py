@@ -74,6 +74,7 @@ class RolloutConfig:
                                      # --rollout-batch-size: config_map resolves it)
     sampling: SamplingParams         # its seed is ignored: each group derives its own
     seed: int                        # --rollout-seed
+    max_context_len: int | None = None   # --rollout-max-context-len: prompt + response tokens of a sample
 
 
 @dataclass
@@ -90,6 +91,10 @@ class RolloutMetrics:
     seconds: float                   # wall clock of the whole rollout
     reward_seconds: float            # of which in reward functions (this rank's groups)
     engine: dict[str, float] = field(default_factory=dict)   # this rank's engine counters (perf/*)
+    trained_tokens_mean: float = 0.0     # loss-mask tokens per kept sample (model tokens; tool tokens excluded)
+    turns_mean: float = 1.0              # model turns per kept sample
+    num_failed_samples: int = 0          # custom generate failures dropped with their groups (on-error drop)
+    custom: dict[str, float] = field(default_factory=dict)   # a --rollout-function-path's own metrics, by log name
 
     def as_log(self) -> dict[str, float]:
         """miles metric names (docs/design.md §7), plus the engine's perf counters."""
@@ -101,10 +106,14 @@ class RolloutMetrics:
             "rollout/rollout_log_probs": self.rollout_log_probs,
             "rollout/num_generated_groups": float(self.num_generated_groups),
             "rollout/dynamic_filter/num_aborted": float(self.num_aborted),
+            "rollout/trained_tokens/mean": self.trained_tokens_mean,
+            "rollout/turns/mean": self.turns_mean,
+            "rollout/custom_generate/num_failed": float(self.num_failed_samples),
             "perf/rollout_time": self.seconds,
             "perf/rollout_tok_per_s": self.num_generated_tokens / max(self.seconds, 1e-9),
             "perf/reward_time": self.reward_seconds,
             **self.engine,
+            **self.custom,
         }
         for name, count in self.num_dropped.items():
             out[f"rollout/dynamic_filter/drop_{name}"] = float(count)
@@ -146,13 +155,15 @@ def gather_lists(items: list[Any], ranks: DistContext | None) -> list[Any]:
 
 def to_group(prompt: Prompt, group_id: int, completions: list[Completion]) -> Group:
     samples = [Sample(prompt=prompt, group_id=group_id, index=c.index, response_ids=c.token_ids,
-                      response_text=c.text, rollout_log_probs=c.log_probs, finish_reason=c.finish_reason)
+                      response_text=c.text, rollout_log_probs=c.log_probs, finish_reason=c.finish_reason,
+                      metadata=dict(prompt.metadata))
                for c in sorted(completions, key=lambda c: c.index)]
     return Group(group_id=group_id, samples=samples)
 
 
 def reward_groups(groups: list[Group], reward_fn: Callable[[Sample], Any]) -> None:
-    samples = [s for g in groups for s in g.samples]
+    """Rewards of the samples that have none yet (a custom generate function may have set some)."""
+    samples = [s for g in groups for s in g.samples if s.reward is None]
     for s, r in zip(samples, compute_rewards(reward_fn, samples)):
         s.reward = r
 
@@ -200,7 +211,8 @@ def generate_rollout(dataset: PromptDataset, engine: Engine, reward_fn: Callable
                 gid = consumed + i
                 rid = engine.new_request_id()
                 engine.add(Request(request_id=rid, prompt_ids=prompts[i].token_ids, params=cfg.sampling, n=n,
-                                   seed=derive_seed(cfg.seed, rollout_id, gid)))
+                                   seed=derive_seed(cfg.seed, rollout_id, gid),
+                                   sample_max_new_tokens=context_cap(cfg, len(prompts[i].token_ids))))
                 mine.requests[rid] = (prompts[i], gid, [])
             consumed += len(prompts)
             in_flight += len(prompts)
@@ -239,6 +251,14 @@ def generate_rollout(dataset: PromptDataset, engine: Engine, reward_fn: Callable
     return RolloutBatch(groups=kept, metrics=metrics)
 
 
+def context_cap(cfg: RolloutConfig, num_prompt_tokens: int) -> list[int] | None:
+    """Per-sample max_new_tokens when --rollout-max-context-len leaves less room than the response limit."""
+    if cfg.max_context_len is None:
+        return None
+    room = cfg.max_context_len - num_prompt_tokens
+    return None if room >= cfg.sampling.max_new_tokens else [room] * cfg.n_samples_per_prompt
+
+
 def engine_metrics(stats: Any) -> dict[str, float]:
     """The engine's counters of one rollout as perf/ metrics (this rank's engine)."""
     return {
@@ -251,16 +271,20 @@ def engine_metrics(stats: Any) -> dict[str, float]:
 
 
 def _summarize(kept: list[Group], dropped: dict[str, int], num_aborted: int, num_finished: int,
-               num_generated_tokens: int, seconds: float, reward_seconds: float, stats: Any) -> RolloutMetrics:
+               num_generated_tokens: int, seconds: float, reward_seconds: float, stats: Any,
+               num_failed: int = 0) -> RolloutMetrics:
     samples = [s for g in kept for s in g.samples]
     lens = [len(s.response_ids) for s in samples]
     num = max(len(samples), 1)
-    num_resp = sum(lens)
+    num_trained = sum(s.num_trained_tokens for s in samples)
+    model_lp = sum(sum(s.rollout_log_probs) if s.loss_mask is None else
+                   sum(lp for lp, m in zip(s.rollout_log_probs, s.loss_mask) if m) for s in samples)
     return RolloutMetrics(
         num_dropped=dropped, num_aborted=num_aborted, num_generated_groups=num_finished,
         raw_reward=sum(s.reward for s in samples) / num,
-        response_len_mean=num_resp / num, response_len_max=max(lens, default=0),
+        response_len_mean=sum(lens) / num, response_len_max=max(lens, default=0),
         truncated_ratio=sum(s.truncated for s in samples) / num,
-        rollout_log_probs=sum(sum(s.rollout_log_probs) for s in samples) / max(num_resp, 1),
+        rollout_log_probs=model_lp / max(num_trained, 1),   # model tokens only: tool tokens have no log-prob
         num_generated_tokens=num_generated_tokens, seconds=seconds, reward_seconds=reward_seconds,
-        engine=engine_metrics(stats))
+        engine=engine_metrics(stats), trained_tokens_mean=num_trained / num,
+        turns_mean=sum(s.num_turns for s in samples) / num, num_failed_samples=num_failed)

@@ -22,9 +22,10 @@ from furlong.checkpoint.run import save_run
 from furlong.config import Config
 from furlong.launch.failure import Position
 from furlong.launch.signals import StopRequest
-from furlong.rollout.eval import run_eval
+from furlong.run.rollout_step import eval_step
 from furlong.run.metrics import Progress, progress_line, write_samples
 from furlong.run.setup import RunParts, build_run
+from furlong.run.user_functions import UserFunctions
 from furlong.trainer.memory_plan import TrainerOutOfMemory, out_of_memory_line
 from furlong.run.step import StageClock, StepOutput, rl_step
 from furlong.trainer.mfu import mfu
@@ -70,10 +71,7 @@ def _run_evals(parts: RunParts, rollout_id: int) -> dict[str, float]:
         t = time.perf_counter()
         n = cfg.n_samples_per_prompt
         parts.logger.line(f"[eval {name}] generating {len(prompts)} prompts x {n} samples ...")
-        try:
-            res = run_eval(name, prompts, parts.engine, parts.reward_fn, cfg.sampling, n, parts.ctx)
-        finally:
-            parts.engine.release()   # as after a rollout
+        res = eval_step(parts, name, prompts, cfg)   # frees the KV cache, as after a rollout
         parts.logger.line(f"[eval {name}] {res.score:.3f} ({res.num_samples} samples, {time.perf_counter() - t:.1f}s)")
         out[f"eval/{name}"] = res.score
         if parts.ctx.rank == 0:
@@ -87,10 +85,11 @@ def _save(parts: RunParts, rollout_id: int) -> None:
     parts.logger.line(f"saved checkpoint {path} (after rollout {rollout_id + 1}, {time.perf_counter() - t:.1f}s)")
 
 
-def run_rl(cfg: Config, ctx: DistContext, position: Position | None = None) -> int:
-    """`position`: where this rank is (launch/failure.py names it if the run fails); a fresh one if None."""
+def run_rl(cfg: Config, ctx: DistContext, position: Position | None = None, user: UserFunctions | None = None) -> int:
+    """`position`: where this rank is (launch/failure.py names it if the run fails); a fresh one if None.
+    `user`: the Python API's callables in place of module-path flags (api.py)."""
     position = position or Position(rank=ctx.rank)
-    parts = build_run(cfg, ctx, with_actor=True)   # validates every input before anything is written
+    parts = build_run(cfg, ctx, with_actor=True, user=user)   # validates every input before anything is written
     config, logger = parts.config, parts.logger
     ci = CiChecker(config.ci_metric_key, config.ci_threshold, config.ci_check_kl)
     progress = Progress(config.num_rollout, start_step=parts.start_rollout)

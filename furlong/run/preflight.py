@@ -26,6 +26,7 @@ if TYPE_CHECKING:   # heavy imports (transformers, the data readers) only where 
     from furlong.data import PromptDataset
     from furlong.models.hf_config import ModelArgs
     from furlong.rollout.filters import GroupFilter
+    from furlong.run.user_functions import RolloutFunctions, UserFunctions
 
 
 def check_checkpoint_dir(path: str | None) -> Path:
@@ -118,13 +119,18 @@ class CheckedInputs:
     output_dir: Path
     critic_checkpoint: Path | None             # HF dir the critic starts from (ppo only)
     run_dirs: RunDirs                          # run id, and what a new run clears (run/identity.py)
+    functions: RolloutFunctions | None = None  # custom generate / rollout functions (None: none given)
 
     def prompts(self) -> list[Prompt]:
         return [p for _, ps in self.eval_sets for p in ps] + (self.dataset.all() if self.dataset is not None else [])
 
 
-def check_inputs(cfg: Config, with_actor: bool) -> CheckedInputs:
-    """Step 1 of build_run (module docstring); `with_actor` False for `furlong eval`."""
+def check_inputs(cfg: Config, with_actor: bool, user: UserFunctions | None = None) -> CheckedInputs:
+    """Step 1 of build_run (module docstring); `with_actor` False for `furlong eval`; `user`: the
+    Python API's callables (run/user_functions.py)."""
+    from furlong.config_checks import chat_template_kwargs
+    from furlong.rewards.keyed import KeyedReward
+    from furlong.run.user_functions import load_user_functions
     from furlong.data import PromptDataset
     from furlong.lora_flags import check_checkpoint_model
     from furlong.rewards.registry import TimedReward, get_reward_fn
@@ -143,8 +149,16 @@ def check_inputs(cfg: Config, with_actor: bool) -> CheckedInputs:
     if max_ctx <= 0:
         raise ValueError(f"--rollout-max-response-len: {max_resp} leaves no room for a prompt in the model's "
                          f"context of {args.max_position_embeddings}")
+    max_prompt_len, ctx_len = cfg.data.rollout_max_prompt_len, cfg.rollout.rollout_max_context_len
+    if ctx_len is not None:
+        if ctx_len > args.max_position_embeddings:
+            raise ValueError(f"--rollout-max-context-len: {ctx_len} exceeds the model's context of "
+                             f"{args.max_position_embeddings}")
+        # miles: prompts leave at least one token of room for the response
+        max_prompt_len = ctx_len - 1 if max_prompt_len is None else min(max_prompt_len, ctx_len - 1)
     common = dict(tokenizer=tokenizer, apply_chat_template=cfg.data.apply_chat_template,
-                  max_prompt_len=cfg.data.rollout_max_prompt_len, max_context_len=max_ctx)
+                  max_prompt_len=max_prompt_len, max_context_len=max_ctx, tool_key=cfg.data.tool_key,
+                  metadata_key=cfg.data.metadata_key, chat_template_kwargs=chat_template_kwargs(cfg))
     dataset = None
     if with_actor:
         dataset = PromptDataset(cfg.data.prompt_data, input_key=cfg.data.input_key, label_key=cfg.data.label_key,
@@ -155,7 +169,12 @@ def check_inputs(cfg: Config, with_actor: bool) -> CheckedInputs:
                            label_key=cfg.eval.eval_label_key or cfg.data.label_key, shuffle=False,
                            seed=0, **common)
         eval_sets.append((name, ds.all()))
-    reward_fn = TimedReward(get_reward_fn(cfg.reward.rm_type, cfg.reward.custom_rm_path), cfg.reward.reward_timeout)
+    reward_fn = (user.reward if user is not None and user.reward is not None
+                 else get_reward_fn(cfg.reward.rm_type, cfg.reward.custom_rm_path))
+    if cfg.reward.reward_key is not None:
+        reward_fn = KeyedReward(reward_fn, cfg.reward.reward_key)
+    reward_fn = TimedReward(reward_fn, cfg.reward.reward_timeout)
+    functions = load_user_functions(cfg, user)
     filter_fn = load_filter(cfg.rollout.dynamic_sampling_filter_path)
     resume = None
     if cfg.ckpt.load is not None and not nothing_saved_yet(cfg):
@@ -175,7 +194,8 @@ def check_inputs(cfg: Config, with_actor: bool) -> CheckedInputs:
         plan_run_dirs(out, [], None, cfg.log.overwrite)   # eval: a run directory of its own
     return CheckedInputs(hf_checkpoint=ckpt, model_args=args, tokenizer=tokenizer, max_response_len=max_resp,
                          dataset=dataset, eval_sets=eval_sets, reward_fn=reward_fn, filter_fn=filter_fn,
-                         resume=resume, output_dir=out, critic_checkpoint=critic_ckpt, run_dirs=run_dirs)
+                         resume=resume, output_dir=out, critic_checkpoint=critic_ckpt, run_dirs=run_dirs,
+                         functions=functions)
 
 
 def check_run_dirs(cfg: Config, out: Path, with_critic: bool) -> RunDirs:

@@ -31,6 +31,7 @@ if TYPE_CHECKING:   # the engine and trainer modules are imported when a run bui
     from furlong.data import PromptDataset
     from furlong.engine import Engine
     from furlong.rollout.filters import GroupFilter
+    from furlong.run.user_functions import RolloutFunctions, UserFunctions
     from furlong.trainer.actor import Actor
     from furlong.trainer.critic import Critic
 
@@ -66,16 +67,17 @@ class RunParts:
     start_rollout: int                         # first rollout id to run (after a resume: the next one)
     num_params: int                            # the policy's parameter count (MFU)
     critic: Critic | None = None               # ppo only
+    functions: RolloutFunctions | None = None  # custom generate / rollout functions (run/rollout_step.py)
 
 
-def build_run(cfg: Config, ctx: DistContext, with_actor: bool) -> RunParts:
+def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctions | None = None) -> RunParts:
     from furlong.config_map import actor_config, critic_config, engine_config, max_tokens_is_auto, run_config
     from furlong.engine import Engine
     from furlong.models.hf_io import load_pretrained
 
     # 1. inputs (nothing written yet)
     seed_everything(cfg.parallel.seed)   # also LoRA's dropout draws (models/lora.py); a resume restores the saved state
-    inputs = check_inputs(cfg, with_actor)
+    inputs = check_inputs(cfg, with_actor, user)
     ckpt, tokenizer, max_resp, resume, out = (inputs.hf_checkpoint, inputs.tokenizer, inputs.max_response_len,
                                               inputs.resume, inputs.output_dir)
     dataset, critic_ckpt = inputs.dataset, inputs.critic_checkpoint
@@ -158,4 +160,4 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool) -> RunParts:
                     f"done); {dropped} metrics line(s) after it dropped from {out / 'metrics.jsonl'}")
     return RunParts(config=config, ctx=ctx, output_dir=out, logger=logger, dataset=dataset, eval_sets=inputs.eval_sets,
                     engine=engine, reward_fn=inputs.reward_fn, filter_fn=inputs.filter_fn, actor=actor,
-                    start_rollout=start_rollout, num_params=num_params, critic=critic)
+                    start_rollout=start_rollout, num_params=num_params, critic=critic, functions=inputs.functions)

@@ -1,7 +1,8 @@
 """One RL step as a list of stages (docs/design.md §2), each a line of `rl_step` with its own timer.
 
-    rollout          generate, reward and filter, streamed per group (rollout.py): perf/rollout_time from
-                     the rollout's own clock, of which perf/reward_time in the reward functions
+    rollout          generate, reward and filter, streamed per group (run/rollout_step.py picks which
+                     rollout: engine requests, a custom generate or rollout function): perf/rollout_time
+                     from the rollout's own clock, of which perf/reward_time in the reward functions
     shaping          kept groups -> TrainSamples and shaped rewards [G, n] (DAPO's overlong penalty)
     old_log_probs    from the engine, a no-grad trainer forward, or left to the training forward
     ref_log_probs    the frozen reference model's, when a KL term needs them
@@ -31,7 +32,8 @@ from furlong.algorithms.advantages import AdvantageConfig, AdvantageInputs, comp
 from furlong.algorithms.losses import kl_penalty
 from furlong.algorithms.shaping import ShapingConfig, shaped_rewards
 from furlong.launch.failure import Position
-from furlong.rollout.rollout import RolloutBatch, RolloutConfig, generate_rollout
+from furlong.rollout.rollout import RolloutBatch
+from furlong.run.rollout_step import rollout_step
 from furlong.trainer.metrics import TrainMetrics
 from furlong.trainer.trainer_config import BatchingConfig
 from furlong.trainer.weight_sync import sync_weights
@@ -105,10 +107,13 @@ class StageClock:
 # ------------------------------------------------------------------------------------------ stages
 
 def train_samples(groups: list[Group], shaping: ShapingConfig) -> tuple[list[TrainSample], torch.Tensor]:
-    """Kept groups -> TrainSamples (advantages still 0) and shaped rewards [G, n]."""
+    """Kept groups -> TrainSamples (advantages still 0) and shaped rewards [G, n]. A multi-turn sample's
+    loss mask (0 on tool/environment tokens) goes with it: the loss weights, token counts, KL and entropy
+    terms all read it (trainer/batching.py, algorithms/losses.py)."""
     samples = [TrainSample(token_ids=torch.tensor(s.prompt.token_ids + s.response_ids, dtype=torch.long),
                            num_prompt_tokens=len(s.prompt.token_ids), advantages=torch.zeros(len(s.response_ids)),
-                           rollout_log_probs=torch.tensor(s.rollout_log_probs, dtype=torch.float32))
+                           rollout_log_probs=torch.tensor(s.rollout_log_probs, dtype=torch.float32),
+                           loss_mask=None if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float32))
                for g in groups for s in g.samples]
     rewards = torch.tensor([[float(s.reward) for s in g.samples] for g in groups], dtype=torch.float32)
     lens = [[len(s.response_ids) for s in g.samples] for g in groups]
@@ -140,7 +145,8 @@ def values(samples: list[TrainSample], critic: Critic, steps: BatchingConfig) ->
 
 def advantages(samples: list[TrainSample], rewards: torch.Tensor, cfg: AdvantageConfig) -> None:
     """Set advantages [R] (and, with values, the GAE returns [R] the critic trains on)."""
-    masks = [torch.ones(s.num_response_tokens) for s in samples]
+    # tool/environment tokens (loss mask 0) take no part in whitening, returns or the KL penalty's sums
+    masks = [torch.ones(s.num_response_tokens) if s.loss_mask is None else s.loss_mask for s in samples]
     kl = None
     if cfg.kl_coef > 0:   # a KL penalty folded into the token rewards, from the old and reference log-probs
         kl = [kl_penalty(s.old_log_probs, s.ref_log_probs, cfg.kl_type) for s in samples]
@@ -163,20 +169,11 @@ class StepOutput:
     train: TrainMetrics | None       # the actor's step (None in a critic-only warm-up rollout)
 
 
-def rollout(parts: RunParts, cfg: RolloutConfig, rollout_id: int) -> RolloutBatch:
-    """One rollout; the engine's KV cache is freed after it (colocated: the trainer needs the memory)."""
-    try:
-        return generate_rollout(parts.dataset, parts.engine, parts.reward_fn, parts.filter_fn, cfg, parts.ctx,
-                                rollout_id)
-    finally:
-        parts.engine.release()
-
-
 def rl_step(parts: RunParts, rollout_id: int, clock: StageClock) -> StepOutput:
     """Rollout `rollout_id` through the weight sync, stage by stage (module docstring)."""
     cfg, actor, critic = parts.config, parts.actor, parts.critic
     with clock.where("rollout"):
-        batch = rollout(parts, cfg.rollout, rollout_id)              # timed by its own clock: perf/rollout_time
+        batch = rollout_step(parts, cfg.rollout, rollout_id)         # timed by its own clock: perf/rollout_time
     samples, rewards = clock.run("shaping", train_samples, batch.groups, cfg.shaping)
     clock.run("old_log_probs", old_log_probs, samples, actor, cfg.steps, cfg.passes.old)
     clock.run("ref_log_probs", ref_log_probs, samples, actor, cfg.steps, cfg.passes.ref)

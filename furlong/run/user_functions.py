@@ -1,0 +1,51 @@
+"""The user's functions of a run: from module paths (the CLI's flags) or callables (the Python API).
+
+`UserFunctions` is what api.py hands in; `load_user_functions` turns a run's flags plus those into
+the functions the rollout calls, checked before anything is written (preflight.py): a callable
+stands for its flag (--custom-rm-path, --custom-generate-function-path, --rollout-function-path)
+and wins over it, as a custom reward wins over --rm-type. Either way the run that follows is the same.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from furlong.config import Config
+from furlong.rollout.custom_generate import GenerateSpec, check_generate_fn, load_function
+
+
+@dataclass
+class UserFunctions:
+    """Callables in place of module paths (api.py); None: the flag's path, if given."""
+    reward: Callable[..., Any] | None = None     # fn(sample) -> float | dict (with --reward-key); may be async
+    generate: Callable[..., Any] | None = None   # async fn(args, sample, sampling_params) -> Sample
+    rollout: Callable[..., Any] | None = None    # fn(args, rollout_id, data_source, evaluation=False) -> groups
+
+
+@dataclass
+class RolloutFunctions:
+    generate: GenerateSpec | None          # custom generate (None: the engine's single-turn requests)
+    rollout: Callable[..., Any] | None     # replaces the rollout step (None: the streaming rollout)
+    rollout_name: str                      # how errors name it
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def load_user_functions(cfg: Config, given: UserFunctions | None) -> RolloutFunctions:
+    given = given or UserFunctions()
+    r = cfg.rollout
+    gen = None
+    flag = "--custom-generate-function-path"
+    fn = given.generate or (load_function(r.custom_generate_function_path, flag)
+                            if r.custom_generate_function_path else None)
+    if fn is not None:
+        name = r.custom_generate_function_path if given.generate is None else _name(fn)
+        gen = GenerateSpec(fn=check_generate_fn(fn, name, flag), name=name, timeout=r.custom_generate_timeout,
+                           drop_failed=r.custom_generate_on_error == "drop")
+    rollout = given.rollout or (load_function(r.rollout_function_path, "--rollout-function-path")
+                                if r.rollout_function_path else None)
+    rollout_name = "" if rollout is None else (
+        r.rollout_function_path if given.rollout is None else _name(rollout))
+    return RolloutFunctions(generate=gen, rollout=rollout, rollout_name=rollout_name)
