@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device runs behind BENCHMARKS.md "Bigger models, fp8 KV": each step writes JSON/logs into $OUT.
-#   bash bench/bigger_models.sh PART...   PART: gpu-tests | decode-fp8 | seed-fp8 | 4b | 8b-offload | 8b-lora | long-fp8
+#   bash bench/bigger_models.sh PART...   PART: gpu-tests | decode-fp8 | seed-fp8 | 4b | 4b-lora | 8b-offload |
+#                                               8b-lora | long-fp8
 # Every run is bounded by `timeout` so that $OUT always comes back within the device call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +15,8 @@ bench() {  # name seconds args...
 }
 for part in "$@"; do
     case $part in
+    lora-gpu) timeout -k 10 200 python3 -m pytest -m gpu -q -s --timeout=180 -p no:cacheprovider tests/test_lora_gpu.py \
+                   >"$OUT/lora_gpu.log" 2>&1; echo "== lora-gpu: exit $?"; grep -E "passed|failed|gap|FAILED" "$OUT/lora_gpu.log" | tail -5 ;;
     gpu-tests) timeout -k 10 300 python3 -m pytest -m gpu -q -s --timeout=240 -p no:cacheprovider \
                    tests/test_kv_fp8_gpu.py tests/test_engine_gpu.py tests/test_actor.py >"$OUT/gpu_tests.log" 2>&1
                echo "== gpu-tests: exit $?"; grep -E "passed|failed|gap|FAILED" "$OUT/gpu_tests.log" | tail -8 ;;
@@ -23,7 +26,11 @@ for part in "$@"; do
     seed-fp8) bench seed_bf16 200 --workload bench/seed_workload.json --parts rollout
               bench seed_fp8 200 --workload bench/seed_workload.json --parts rollout --kv-dtype fp8_e4m3 ;;
     4b) bench qwen3_4b 300 --workload bench/qwen3_4b_workload.json --parts train,rollout ;;
-    8b-offload) FURLONG_BENCH_GUARD_S=380 bench qwen3_8b_offload 420 --workload bench/qwen3_8b_workload.json --parts train --fsdp-cpu-offload ;;
+    8b-offload) FURLONG_BENCH_GUARD_S=280 bench qwen3_8b_offload 310 --workload bench/qwen3_8b_workload.json --parts train --fsdp-cpu-offload ;;
+    8b-lora) bench qwen3_8b_lora 300 --workload bench/qwen3_8b_workload.json --parts train,rollout --lora-rank 64 \
+                 --lora-alpha 128 ;;
+    4b-lora) bench qwen3_4b_lora 300 --workload bench/qwen3_4b_workload.json --parts train,rollout --lora-rank 64 \
+                 --lora-alpha 128 ;;
     long-fp8) FURLONG_BENCH_GUARD_S=270 bench long_bf16 300 --workload bench/long_workload.json --parts rollout
               FURLONG_BENCH_GUARD_S=270 bench long_fp8 300 --workload bench/long_workload.json --parts rollout --kv-dtype fp8_e4m3 ;;
     *) echo "unknown part $part" ;;

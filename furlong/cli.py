@@ -77,6 +77,9 @@ def _build_parser() -> _Parser:
                    help="the engine's KV cache in the generating parts (default: auto, the model's dtype)")
     b.add_argument("--fsdp-cpu-offload", action="store_true",
                    help="the trainer's fp32 masters, gradients and AdamW state in CPU memory")
+    b.add_argument("--lora-rank", type=int, default=0, metavar="R", help="train LoRA adapters of rank R on all "
+                   "linear layers (default: 0, full-parameter)")
+    b.add_argument("--lora-alpha", type=float, default=16.0, metavar="A", help="LoRA alpha (default: 16)")
     pl = sub.add_parser("plot", help="one PNG of a run's metrics (reward, eval, length, KL, entropy, time)")
     pl.add_argument("run_dir", metavar="RUN_DIR", help="a run's --output-dir (holds metrics.jsonl)")
     pl.add_argument("--output", default=None, metavar="FILE.png", help="default: RUN_DIR/metrics.png")
@@ -146,7 +149,8 @@ def _run(argv: list[str]) -> int:
                         settings=args.settings)
     if args.command == "bench":
         from furlong.bench import run_bench
-        return run_bench(args.workload, args.output, args.parts, args.kv_dtype, args.fsdp_cpu_offload)
+        return run_bench(args.workload, args.output, args.parts, args.kv_dtype, args.fsdp_cpu_offload,
+                         args.lora_rank, args.lora_alpha)
     if args.command == "plot":
         from furlong.commands.plot import plot_run
         print(f"plot: wrote {plot_run(args.run_dir, args.output)}")

@@ -35,11 +35,13 @@ class NullTokenizer:
 class Bench:
     """Shared state of one bench run: device, seeded models (built lazily), results."""
 
-    def __init__(self, workload: Workload, seed: int = 0, kv_dtype: str = "auto", cpu_offload: bool = False):
+    def __init__(self, workload: Workload, seed: int = 0, kv_dtype: str = "auto", cpu_offload: bool = False,
+                 lora_rank: int = 0, lora_alpha: float = 16.0):
         from furlong.launch.distributed import init_distributed
         self.w, self.seed = workload, seed
         self.kv_dtype = kv_dtype          # the engine's KV cache: auto (the model's dtype) | bf16 | fp8_e4m3
         self.cpu_offload = cpu_offload    # --fsdp-cpu-offload for the actor
+        self.lora_rank, self.lora_alpha = lora_rank, lora_alpha   # --lora-rank/--lora-alpha (0: full-parameter)
         self.plan: MemoryPlan | None = None   # the actor's memory plan (CUDA), as run set-up makes it
         self.owns_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         self.ctx = init_distributed("auto")
@@ -85,6 +87,7 @@ class Bench:
             from furlong.trainer.actor import Actor
             cfg = self.config()
             cfg.parallel.fsdp_cpu_offload = self.cpu_offload
+            cfg.lora.lora_rank, cfg.lora.lora_alpha = self.lora_rank, self.lora_alpha
             self._actor = Actor(self.random_model(), actor_config(cfg), self.ctx)
             if self.device.type == "cuda" and self.w.use_dynamic_batch_size:
                 # run set-up's memory plan: the workload's budget, recompute on or the budget lowered when
