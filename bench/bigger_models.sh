@@ -27,7 +27,7 @@ for part in "$@"; do
               bench seed_fp8 200 --workload bench/seed_workload.json --parts rollout --kv-dtype fp8_e4m3 ;;
     4b) bench qwen3_4b 300 --workload bench/qwen3_4b_workload.json --parts train,rollout ;;
     8b-offload) FURLONG_BENCH_GUARD_S=280 bench qwen3_8b_offload 310 --workload bench/qwen3_8b_workload.json --parts train --fsdp-cpu-offload ;;
-    8b-lora) bench qwen3_8b_lora 300 --workload bench/qwen3_8b_workload.json --parts train,rollout --lora-rank 64 \
+    8b-lora) FURLONG_BENCH_GUARD_S=200 bench qwen3_8b_lora 300 --workload bench/qwen3_8b_workload.json --parts train,rollout --lora-rank 64 \
                  --lora-alpha 128 ;;
     4b-lora) bench qwen3_4b_lora 300 --workload bench/qwen3_4b_workload.json --parts train,rollout --lora-rank 64 \
                  --lora-alpha 128 ;;
