@@ -20,7 +20,7 @@ from test_e2e import _resume_flags, assets, read_metrics  # noqa: E402,F401 (ass
 from furlong.cli import main, parse_config  # noqa: E402
 from furlong.models.hf_io import load_pretrained  # noqa: E402
 from furlong.models.value_model import ValueModel  # noqa: E402
-from furlong.run.specs import critic_spec  # noqa: E402
+from furlong.config_map import batching_config, critic_config  # noqa: E402
 from furlong.trainer.batching import step_loss_weights  # noqa: E402
 from furlong.trainer.critic import Critic  # noqa: E402
 from furlong.launch.distributed import init_distributed, launch_local  # noqa: E402
@@ -113,7 +113,7 @@ def test_explained_variance_matches_direct():
 # ---------------------------------------------------------------- the value model and the Critic
 
 def _critic(ckpt, cfg) -> Critic:
-    return Critic(ValueModel(load_pretrained(ckpt), torch.Generator().manual_seed(0)), critic_spec(cfg),
+    return Critic(ValueModel(load_pretrained(ckpt), torch.Generator().manual_seed(0)), critic_config(cfg),
                   init_distributed("cpu"))
 
 
@@ -121,7 +121,7 @@ def test_compute_values_match_unpacked_forward(tiny_ckpt):
     cfg = tiny_config(use_dynamic_batch_size=True, max_tokens_per_gpu="30")
     critic = _critic(tiny_ckpt, cfg)
     samples = synthetic_samples([17, 9, 25, 6, 12])
-    got = critic.compute_values(samples)
+    got = critic.compute_values(samples, batching_config(cfg))
     plain = ValueModel(load_pretrained(tiny_ckpt), torch.Generator().manual_seed(0))
     assert plain.decoder.lm_head is None and "value_head.weight" in dict(plain.named_parameters())
     with torch.no_grad():
@@ -132,20 +132,21 @@ def test_compute_values_match_unpacked_forward(tiny_ckpt):
     assert got[0].std() > 0
 
 
-def _with_targets(critic: Critic, samples: list[TrainSample], seed: int = 0) -> list[TrainSample]:
+def _with_targets(critic: Critic, cfg, samples: list[TrainSample], seed: int = 0) -> list[TrainSample]:
     """Samples with the critic's current values and a fixed return per sample (a terminal reward, gamma = 1)."""
     g = torch.Generator().manual_seed(seed)
-    values = critic.compute_values(samples)
+    values = critic.compute_values(samples, batching_config(cfg))
     return [dataclasses.replace(s, values=v, returns=torch.full_like(v, float(torch.rand((), generator=g) * 2 - 1)))
             for s, v in zip(samples, values)]
 
 
 def test_value_loss_falls_on_a_fixed_batch(tiny_ckpt):
-    critic = _critic(tiny_ckpt, tiny_config(critic_lr=3e-3, micro_batch_size=2))
+    cfg = tiny_config(critic_lr=3e-3, micro_batch_size=2)
+    critic = _critic(tiny_ckpt, cfg)
     base = synthetic_samples([14, 9, 20, 7, 11, 16])
     losses = []
     for _ in range(15):
-        m = critic.train_step(_with_targets(critic, base))
+        m = critic.train_step(_with_targets(critic, cfg, base), batching_config(cfg))
         losses.append(m.value_loss)
     assert m.lr == pytest.approx(3e-3) and m.num_steps == 1
     assert losses[-1] < 0.2 * losses[0], losses
@@ -167,8 +168,8 @@ def run_scenario(ckpt: str, name: str, distributed: bool) -> dict:
     else:
         cfg = tiny_config(micro_batch_size=1, **overrides)
     critic = _critic(ckpt, cfg)
-    samples = _with_targets(critic, synthetic_samples(LENGTHS))
-    metrics = critic.train_step(samples)
+    samples = _with_targets(critic, cfg, synthetic_samples(LENGTHS))
+    metrics = critic.train_step(samples, batching_config(cfg))
     weights = {n: p.full_tensor().detach().clone() for n, p in critic.model.named_parameters()}
     return {"values": [s.values for s in samples], "metrics": metrics, "weights": weights}
 
@@ -225,7 +226,7 @@ def test_ppo_end_to_end_warm_up_and_exact_resume(assets, tmp_path, capsys):
     assert main(_ppo(assets, tmp_path / "fresh", 3, "--save", str(tmp_path / "fresh_ck"))) == 0
     assert main(_ppo(assets, tmp_path / "first", 2, "--save", str(ck), "--save-interval", "1")) == 0
     assert sorted(p.name for p in (tmp_path / "ck_critic").iterdir()) == [
-        "iter_0000001", "iter_0000002", "latest_checkpointed_iteration.txt", "run_id.txt"]   # the run's id too
+        "iter_0000001", "iter_0000002", "latest_checkpointed_iteration.txt", "run_id.txt"]
     assert main(_ppo(assets, tmp_path / "resumed", 3, "--load", str(ck))) == 0
     fresh, resumed = read_metrics(tmp_path / "fresh"), read_metrics(tmp_path / "resumed")
     for r in fresh:
