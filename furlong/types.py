@@ -187,6 +187,10 @@ class MicroBatch:
     rollout_log_probs: torch.Tensor        # [T] float32
     ref_log_probs: torch.Tensor | None     # [T] float32
     sample_indices: list[int] = field(default_factory=list)  # indices into the step's TrainSample list
+    # [T] float32: the plain-mean weights of the KL and entropy terms and of every metric, when the policy
+    # term's reducer differs (Dr.GRPO's constant normalizer, as miles' reducer changes only that term);
+    # None: loss_weight is the mean too
+    metric_weight: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -80,3 +80,39 @@ def test_train_with_fp8_kv_cache_on_cpu(tmp_path, capsys):
     line = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert line["rollout/response_len/mean"] > 0
     assert json.loads((out / "config.json").read_text())["rollout"]["rollout_kv_dtype"] == "fp8_e4m3"
+
+
+def _drgrpo_step(mode: str, logp: torch.Tensor, old: torch.Tensor, ref: torch.Tensor, kl_coef: float):
+    from furlong.algorithms.losses import LossConfig, rl_loss
+    from furlong.trainer.batching import pack_micro_batch, step_loss_weights, step_metric_weights
+    from furlong.types import TrainSample
+    r = logp.numel()
+    s = TrainSample(token_ids=torch.arange(r + 1), num_prompt_tokens=1, advantages=torch.ones(r),
+                    rollout_log_probs=old.clone(), old_log_probs=old.clone(), ref_log_probs=ref.clone())
+    mb = pack_micro_batch([s], step_loss_weights([s], mode, False, 1000), [0], step_metric_weights([s], mode))
+    cfg = LossConfig(eps_clip=0.2, eps_clip_high=0.2, eps_clip_c=None, use_kl_loss=True, kl_loss_coef=kl_coef,
+                     kl_loss_type="k1", entropy_coef=0.0, use_tis=False, tis_clip=2.0, tis_clip_low=0.0,
+                     use_unbiased_kl=False, sequence_ratio=False)
+    full = torch.zeros(r + 1)
+    full[:r] = logp                       # position t predicts token t+1: response token j at position j
+    return rl_loss(mb, full, None, cfg)
+
+
+def test_drgrpo_reducer_changes_only_the_policy_term():
+    # One sample, 3 tokens, advantage 1, ratio 1, k1 KL log-ratio 1, --kl-loss-coef 0.5, L = 1000:
+    # miles 0.4970 = -3/1000 (policy, Dr.GRPO's constant) + 0.5 * mean(KL) (a plain token mean)
+    logp = torch.full((3,), -1.0)
+    loss, _ = _drgrpo_step("seq-mean-token-sum-norm", logp, logp.clone(), logp - 1.0, 0.5)
+    assert loss.item() == pytest.approx(0.4970, abs=1e-6)
+    loss, _ = _drgrpo_step("seq-mean-token-mean", logp, logp.clone(), logp - 1.0, 0.5)
+    assert loss.item() == pytest.approx(-1.0 + 0.5, abs=1e-6)
+
+
+def test_drgrpo_metrics_are_plain_token_means():
+    # two of three tokens on the clipped branch: pg_clipfrac reads 2/3 whatever the reducer, not 2/3000
+    old = torch.full((3,), -1.0)
+    logp = old + torch.tensor([0.0, 0.5, 0.6])          # ratios 1, 1.65, 1.82 > 1 + 0.2 with A = 1
+    for mode in ("seq-mean-token-sum-norm", "seq-mean-token-mean"):
+        _, m = _drgrpo_step(mode, logp, old, old.clone(), 0.0)
+        assert m.pg_clipfrac.item() == pytest.approx(2 / 3, rel=1e-6), mode
+        assert m.ppo_kl.item() == pytest.approx(-(0.5 + 0.6) / 3, rel=1e-5), mode

@@ -14,6 +14,8 @@ advantages refer to, ref the reference model and rollout the engine:
             the PRODUCT ratio * k3 to [-10, 10], miles' order, which recipes are tuned on;
             clamping k3 first would bound a token's penalty by 10 * ratio instead of 10)
     total = pg + kl_loss_coef * KL - entropy_coef * entropy
+            (Dr.GRPO, --loss-agg-mode seq-mean-token-sum-norm: only pg takes the constant
+            normalizer; the KL and entropy terms and every metric are plain token means, as miles)
 
 Tokens that carry no loss (weight 0: prompt positions, masked response tokens)
 are zeroed before the sum, so a NaN/inf there (e.g. a huge log-ratio on a
@@ -178,6 +180,9 @@ def rl_loss(mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor | Non
     if params.use_kl_loss and mb.ref_log_probs is None:
         raise ValueError("--use-kl-loss: micro-batch has no reference log-probs")
     w = mb.loss_weight
+    # the KL/entropy terms and every metric are plain means (miles: only the policy term takes the
+    # Dr.GRPO reducer); in the other modes these are the same weights
+    wm = w if mb.metric_weight is None else mb.metric_weight
     live = w != 0                        # tokens that carry loss; everything else is zeroed before sums
     # Off the live tokens, the other log-probs are replaced by the current ones (log-ratio 0, KL 0),
     # so a NaN/inf there reaches neither the loss nor, through 0 * NaN, the gradient.
@@ -193,6 +198,7 @@ def rl_loss(mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor | Non
     if params.use_tis:
         pg = pg * tis_weights(old, rollout, params.tis_clip, params.tis_clip_low)
     total = pg
+    extra = torch.zeros_like(pg)         # the KL and entropy terms alone (Dr.GRPO weighs them apart)
     zero = torch.zeros((), device=w.device)
     kl_metric = zero
     if params.use_kl_loss:
@@ -201,18 +207,23 @@ def rl_loss(mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor | Non
         kl = kl_penalty(log_probs, ref, params.kl_loss_type, ratio)
         kl = torch.where(live, kl, 0.0)
         total = total + params.kl_loss_coef * kl
-        kl_metric = _wsum(kl, w)
+        extra = extra + params.kl_loss_coef * kl
+        kl_metric = _wsum(kl, wm)
     if params.entropy_coef != 0:
         total = total - params.entropy_coef * entropy
-    loss = (torch.where(live, total, 0.0) * w).sum()
+        extra = extra - params.entropy_coef * entropy
+    if mb.metric_weight is None:
+        loss = (torch.where(live, total, 0.0) * w).sum()
+    else:   # the policy term under the reducer's weights, the KL/entropy terms as plain means
+        loss = (torch.where(live, pg, 0.0) * w).sum() + (torch.where(live, extra, 0.0) * wm).sum()
     metrics = LossMetrics(
         loss=loss.detach().float(),
-        pg_loss=_wsum(pg, w),
-        pg_clipfrac=_wsum(clipfrac, w),
-        ppo_kl=_wsum(ppo_kl, w),
+        pg_loss=_wsum(pg, wm),
+        pg_clipfrac=_wsum(clipfrac, wm),
+        ppo_kl=_wsum(ppo_kl, wm),
         kl_loss=kl_metric,
-        entropy=zero if entropy is None else _wsum(entropy, w),
-        rollout_logprob_abs_diff=_wsum((cur - rollout).abs(), w),
+        entropy=zero if entropy is None else _wsum(entropy, wm),
+        rollout_logprob_abs_diff=_wsum((cur - rollout).abs(), wm),
     )
     return loss, metrics
 

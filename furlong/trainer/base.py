@@ -73,13 +73,14 @@ class Trainer:
         split, plans = steps.plan(lengths, ctx.world_size)
         mine, num_mb = plans[ctx.rank], max(len(p) for p in plans)
         # global aggregation, known locally because every rank holds all of the step's samples
-        weights = steps.loss_weights(samples)
+        weights, means = steps.loss_weights(samples), steps.metric_weights(samples)
         has_old, has_ref = samples[0].old_log_probs is not None, samples[0].ref_log_probs is not None
         total = metrics_type.zeros(ctx.device)
         self.optimizer.zero_grad(set_to_none=True)
         for k in range(num_mb):
             micro_batch_sync(self.model, k, num_mb, self.shard.reshard_after_forward)
-            mb = pack_micro_batch(samples, weights, mine[k]) if k < len(mine) else padding_micro_batch(has_old, has_ref)
+            mb = (pack_micro_batch(samples, weights, mine[k], means) if k < len(mine)
+                  else padding_micro_batch(has_old, has_ref))
             loss, metrics = micro_loss(mb, samples)
             loss.backward()
             total = total + metrics

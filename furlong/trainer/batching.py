@@ -70,6 +70,14 @@ def step_loss_weights(samples: list[TrainSample], loss_agg_mode: str, calculate_
     return token_loss_weights(samples, len(samples), per_token, num_loss_tokens(samples) if per_token else 0, constant)
 
 
+def step_metric_weights(samples: list[TrainSample], loss_agg_mode: str) -> list[torch.Tensor] | None:
+    """Dr.GRPO (seq-mean-token-sum-norm) only: the per-sample token-mean weights [R] of the KL and entropy
+    terms and of the metrics (miles' reducer changes only the policy term); None in the other modes."""
+    if loss_agg_mode != "seq-mean-token-sum-norm":
+        return None
+    return token_loss_weights(samples, len(samples), False, 0)
+
+
 # --------------------------------------------------------------------------- packing
 
 def _place(values: list[torch.Tensor], starts: list[int], total: int) -> torch.Tensor:
@@ -80,7 +88,7 @@ def _place(values: list[torch.Tensor], starts: list[int], total: int) -> torch.T
 
 
 def pack_micro_batch(samples: list[TrainSample], weights: list[torch.Tensor],
-                     indices: list[int]) -> MicroBatch:
+                     indices: list[int], metric_weights: list[torch.Tensor] | None = None) -> MicroBatch:
     """Pack samples[i] for i in indices (samples/weights: the step's full lists) into one row."""
     chosen = [samples[i] for i in indices]
     if not chosen:   # the planners never make an empty micro-batch; a short rank pads with padding_micro_batch
@@ -121,6 +129,7 @@ def pack_micro_batch(samples: list[TrainSample], weights: list[torch.Tensor],
         rollout_log_probs=_place([s.rollout_log_probs for s in chosen], resp_starts, total),
         ref_log_probs=_place([s.ref_log_probs for s in chosen], resp_starts, total) if has_ref[0] else None,
         sample_indices=list(indices),
+        metric_weight=None if metric_weights is None else _place([metric_weights[i] for i in indices], resp_starts, total),
     )
 
 
@@ -142,7 +151,7 @@ def move_micro_batch(mb: MicroBatch, device: torch.device | str) -> MicroBatch:
         max_seqlen=mb.max_seqlen, targets=mv(mb.targets), loss_weight=mv(mb.loss_weight),
         response_mask=mv(mb.response_mask), advantages=mv(mb.advantages),
         old_log_probs=mv(mb.old_log_probs), rollout_log_probs=mv(mb.rollout_log_probs),
-        ref_log_probs=mv(mb.ref_log_probs), sample_indices=list(mb.sample_indices),
+        ref_log_probs=mv(mb.ref_log_probs), sample_indices=list(mb.sample_indices), metric_weight=mv(mb.metric_weight),
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from furlong.trainer.batching import step_loss_weights
+from furlong.trainer.batching import step_loss_weights, step_metric_weights
 from furlong.trainer.planning import optimizer_step_chunks, rank_micro_batches
 
 if TYPE_CHECKING:
@@ -71,3 +71,7 @@ class BatchingConfig:
     def loss_weights(self, samples: list[TrainSample]) -> list[torch.Tensor]:
         """Per-sample token weights [R] of one optimizer step (all ranks' samples) under --loss-agg-mode."""
         return step_loss_weights(samples, self.loss_agg_mode, self.calculate_per_token_loss, self.max_response_len)
+
+    def metric_weights(self, samples: list[TrainSample]) -> list[torch.Tensor] | None:
+        """Plain-mean weights [R] for the KL/entropy terms and metrics where they differ (Dr.GRPO), else None."""
+        return step_metric_weights(samples, self.loss_agg_mode)
