@@ -1,7 +1,8 @@
 """The argparse layer of `furlong`: one-line errors, and the train/sft/eval flags generated from config.py.
 
 Errors are one line (no usage dump); prefix abbreviations are off, and an unknown flag gets the
-nearest known one ("did you mean"), or, when it belongs to another of train/sft/eval, which one.
+nearest known one ("did you mean"), or, when it belongs to another of train/sft/eval, which one, or,
+when it is a miles flag furlong lacks, why and what furlong does instead (miles_flags.py).
 Each of train/sft/eval gets only the flags it reads (COMMAND_FLAGS), so no flag is silently ignored.
 """
 from __future__ import annotations
@@ -52,6 +53,10 @@ class _Parser(argparse.ArgumentParser):
             if unknown.split("=")[0] in self.foreign:
                 raise UsageError(f"{self.prog}: {unknown.split('=')[0]} is a flag of furlong "
                                  f"{self.foreign[unknown.split('=')[0]]}, not of {self.prog} (see {self.prog} --help)")
+            from furlong.miles_flags import refusal_line   # Megatron/SGLang/Ray flags: why not, and instead
+            miles = refusal_line(unknown.split("=")[0])
+            if miles is not None:
+                raise UsageError(f"{self.prog}: {miles}")
             near = difflib.get_close_matches(unknown.split("=")[0], sorted(set(self._all_flags())), n=1, cutoff=0.6)
             if near:
                 message += f" (did you mean {near[0]}?)"
