@@ -14,7 +14,7 @@ the row's whole context, regrouped; outputs differ from the single-pass kernel b
 vLLM and FlashInfer call the same idea cascade attention; unlike them, groups here come from the
 fork, not from a prefix hash.
 
-It pays only for long prompts (BENCHMARKS.md, session 7, per decode step at 128 rows: a 1024-token
+It pays only for long prompts (measured on an H200, per decode step at 128 rows: a 1024-token
 prompt 25% faster, 512 12%, 256 even, 128 6% slower): a group's rows run side by side, so the shared
 full pages of a short prompt are mostly served from L2 anyway, and the cascade step pays for a combine
 pass and the group programs. Hence `min_prefix` (EngineConfig.cascade_min_prefix, 256 tokens): the
