@@ -130,7 +130,7 @@ def test_filter_registry():
     assert load_filter(None) is None
     user = load_filter("operator.truth")
     assert user.name == "truth" and user(_group([1.0])) is True
-    for bad, why in (("no_such_pkg_xyz.mod.fn", "cannot import"), ("os.path.no_such_fn", "no callable"),
+    for bad, why in (("no_such_pkg_xyz.mod.fn", "cannot import"), ("os.path.no_such_fn", "has no function"),
                      ("nodots", "dotted path")):
         with pytest.raises(ValueError, match=f"--dynamic-sampling-filter-path: .*{why}"):
             load_filter(bad)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import importlib
 import math
 import threading
 import inspect
@@ -27,6 +26,7 @@ from furlong.rewards.dapo import dapo_score
 from furlong.rewards.deepscaler import deepscaler_score
 from furlong.rewards.math_reward import math_score
 from furlong.types import Sample
+from furlong.user_code import check_one_argument, load_function
 
 # Read-only: the set of --rm-type names is fixed at import time.
 SCORERS: Mapping[str, Callable[[str, str], float]] = MappingProxyType({
@@ -62,25 +62,9 @@ def _builtin(rm_type: str) -> Callable[[Sample], float]:
 
 
 def load_custom(path: str) -> RewardFn:
-    """Import `pkg.module.function`; errors name --custom-rm-path."""
-    module_name, _, fn_name = path.rpartition(".")
-    if not module_name or not fn_name:
-        raise ValueError(f"--custom-rm-path: expected 'module.function', got {path!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 - any import failure is a bad flag value
-        raise ValueError(f"--custom-rm-path: cannot import module {module_name!r} "
-                         f"({type(e).__name__}: {e}; is its directory on PYTHONPATH?)") from e
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise ValueError(f"--custom-rm-path: module {module_name!r} has no function {fn_name!r}")
-    try:
-        inspect.signature(fn).bind(object())
-    except TypeError:
-        raise ValueError(f"--custom-rm-path: {path} must accept one positional argument "
-                         f"(the Sample); miles-style fn(args, sample) is not supported") from None
-    except ValueError:
-        pass  # no introspectable signature (some builtins): trust the user
+    """Import `pkg.module.function` (user_code.py); errors name --custom-rm-path."""
+    fn = load_function(path, "--custom-rm-path")
+    check_one_argument(fn, path, "--custom-rm-path", "the Sample", "fn(args, sample)")
     return fn
 
 

@@ -34,7 +34,6 @@ run (GenerateError, exit 1); drop drops the sample's group and counts it
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -76,22 +75,6 @@ class GenerateSpec:
     name: str                        # how errors name it: the flag's path or the callable's qualname
     timeout: float | None            # seconds per sample (--custom-generate-timeout; None: none)
     drop_failed: bool                # --custom-generate-on-error drop
-
-
-def load_function(path: str, flag_name: str) -> Callable[..., Any]:
-    """Import `pkg.module.function`; every failure is a ValueError naming the flag."""
-    module_name, _, fn_name = path.rpartition(".")
-    if not module_name or not fn_name:
-        raise ValueError(f"{flag_name}: expected 'module.function', got {path!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 - any import failure is a bad flag value
-        raise ValueError(f"{flag_name}: cannot import module {module_name!r} ({type(e).__name__}: {e}; "
-                         "is its directory on PYTHONPATH?)".splitlines()[0]) from e
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise ValueError(f"{flag_name}: module {module_name!r} has no function {fn_name!r}")
-    return fn
 
 
 def check_generate_fn(fn: Callable[..., Any], name: str, flag_name: str) -> GenerateFn:

@@ -13,12 +13,11 @@ DynamicFilterOutput; furlong's take the Group and return a bool.
 """
 from __future__ import annotations
 
-import importlib
-import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable
 
+from furlong.user_code import check_one_argument, load_function
 from furlong.types import Group
 
 FilterFn = Callable[[Group], bool]
@@ -69,21 +68,7 @@ def load_filter(path: str | None) -> GroupFilter | None:
         return None
     if path in _BUILTIN:
         return _BUILTIN[path]
-    module_name, _, attr = path.rpartition(".")
-    if not module_name:
-        raise ValueError(f"{FLAG}: expected a dotted path module.function, got {path!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # any import failure is a bad flag value
-        raise ValueError(f"{FLAG}: cannot import module {module_name!r} ({type(e).__name__}: {e})") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"{FLAG}: {module_name!r} has no callable {attr!r}")
-    try:
-        inspect.signature(fn).bind(object())
-    except TypeError:
-        raise ValueError(f"{FLAG}: {path} must take one positional argument, the Group (miles-style "
-                         "fn(args, samples) is not supported)") from None
-    except ValueError:
-        pass   # no introspectable signature (some builtins): trust the user
+    fn = load_function(path, FLAG)
+    check_one_argument(fn, path, FLAG, "the Group", "fn(args, samples)")
+    attr = path.rpartition(".")[2]
     return GroupFilter(attr, fn)

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from furlong.config import Config
-from furlong.rollout.custom_generate import GenerateSpec, check_generate_fn, load_function
+from furlong.rollout.custom_generate import GenerateSpec, check_generate_fn
+from furlong.user_code import load_function
 
 
 @dataclass
