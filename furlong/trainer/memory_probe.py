@@ -32,7 +32,8 @@ import torch
 from furlong.trainer.batching import move_micro_batch, pack_micro_batch
 from furlong.launch.distributed import all_reduce_max
 from furlong.trainer.fsdp import reshard_all
-from furlong.trainer.memory_plan import MemoryBudget, MemoryPlan, ModeProbe, plan_memory
+from furlong.trainer.memory_plan import (GRANULE, SAFETY_FRACTION, MemoryBudget, MemoryPlan, ModeProbe,
+                                         largest_fit, plan_memory)
 from furlong.types import TrainSample
 
 if TYPE_CHECKING:
@@ -41,9 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PROBE_TOKENS = 4096
-SAFETY_FRACTION = 0.15
 CPU_DEFAULT_TOKENS = 16384
-GRANULE = 1024
 
 
 @dataclass
@@ -61,12 +60,11 @@ def choose_max_tokens(m: ProbeMeasurement, total_bytes: int, reserved_bytes: int
     """Largest multiple of `granule` tokens whose predicted peak fits the budget (>= granule)."""
     if m.num_tokens_large <= m.num_tokens_small:
         raise ValueError("choose_max_tokens: the second probe must be larger than the first")
-    # a non-positive slope is measurement noise; assume at least 1 byte per token
-    per_token = max((m.peak_bytes_large - m.peak_bytes_small) / (m.num_tokens_large - m.num_tokens_small), 1.0)
-    fixed = m.peak_bytes_small - per_token * m.num_tokens_small + m.pending_bytes
-    budget = total_bytes * (1.0 - safety_fraction) - reserved_bytes
-    tokens = int((budget - fixed) // per_token)
-    return max(granule, tokens // granule * granule)
+    probe = ModeProbe(False, (m.num_tokens_small, m.num_tokens_large), (m.peak_bytes_small, m.peak_bytes_large),
+                      (0.0, 0.0))
+    # memory_plan's arithmetic, with a floor of one granule where nothing fits
+    return max(granule, largest_fit(probe, MemoryBudget(total_bytes, reserved_bytes, m.pending_bytes, safety_fraction),
+                                    granule))
 
 
 def _probe_batch(num_tokens: int, vocab_size: int, device: torch.device):
