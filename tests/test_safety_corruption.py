@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
+from cli_helpers import one_line, run_cli, tiny_assets  # noqa: E402
 
 from furlong.config_map import rollout_seed  # noqa: E402
 from furlong.cli import main, parse_config  # noqa: E402
@@ -27,11 +27,7 @@ if str(ROOT) not in sys.path:
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from furlong.tasks.synthetic import prepare_synthetic
-    d = tmp_path_factory.mktemp("corrupt_assets")
-    write_tiny_checkpoint(d / "ckpt", vocab_size=128, hidden=32, layers=2, heads=2, kv_heads=1)
-    prepare_synthetic(d / "data", 8, 2, 0)
-    return d
+    return tiny_assets(tmp_path_factory.mktemp("corrupt_assets"))
 
 
 def train_argv(a: Path, out: Path, *extra: str, ckpt: Path | None = None) -> list[str]:
@@ -42,18 +38,6 @@ def train_argv(a: Path, out: Path, *extra: str, ckpt: Path | None = None) -> lis
             "--lr", "1e-2", "--device", "cpu", "--output-dir", str(out), *extra]
 
 
-def run_cli(argv, capsys):
-    capsys.readouterr()
-    code = main(argv)
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
-
-
-def one_line(err: str, *needles: str) -> None:
-    lines = [x for x in err.strip().splitlines() if not x.startswith("furlong: note:")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    for n in needles:
-        assert n in lines[0], f"{n!r} not in {lines[0]!r}"
 
 
 def test_nan_weights_in_safetensors_are_refused_before_anything_is_written(assets, tmp_path, capsys):

@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
+from cli_helpers import one_line, run_cli, tiny_assets  # noqa: E402
 
 from furlong.cli import main  # noqa: E402
 
@@ -23,11 +23,7 @@ if str(ROOT) not in sys.path:
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from furlong.tasks.synthetic import prepare_synthetic
-    d = tmp_path_factory.mktemp("safety_assets")
-    write_tiny_checkpoint(d / "ckpt", vocab_size=128, hidden=32, layers=2, heads=2, kv_heads=1)
-    prepare_synthetic(d / "data", 8, 2, 0)
-    return d
+    return tiny_assets(tmp_path_factory.mktemp("safety_assets"))
 
 
 def train_argv(a: Path, out: Path, num_rollout: int, *extra: str) -> list[str]:
@@ -51,23 +47,10 @@ def trained(assets, tmp_path_factory):
     return d
 
 
-def run_cli(argv, capsys):
-    capsys.readouterr()
-    code = main(argv)
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
-
 
 def snapshot(d: Path) -> dict[str, bytes]:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
-
-def one_line(err: str, *needles: str) -> str:
-    lines = [x for x in err.strip().splitlines() if not x.startswith("furlong: note:")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    for n in needles:
-        assert n in lines[0], f"{n!r} not in {lines[0]!r}"
-    return lines[0]
 
 
 # ---------------------------------------------------------------- export

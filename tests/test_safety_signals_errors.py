@@ -15,9 +15,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
+from cli_helpers import one_line, run_cli, tiny_assets  # noqa: E402
 
-from furlong.cli import main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -27,11 +26,7 @@ FILTER = "furlong.rollout.filters.check_reward_nonzero_std"
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from furlong.tasks.synthetic import prepare_synthetic
-    d = tmp_path_factory.mktemp("signal_assets")
-    write_tiny_checkpoint(d / "ckpt", vocab_size=128, hidden=32, layers=2, heads=2, kv_heads=1)
-    prepare_synthetic(d / "data", 8, 2, 0)
-    return d
+    return tiny_assets(tmp_path_factory.mktemp("signal_assets"))
 
 
 def train_argv(a: Path, out: Path, *extra: str, reward: str = "tests.rewards_for_tests.index_reward",
@@ -43,18 +38,6 @@ def train_argv(a: Path, out: Path, *extra: str, reward: str = "tests.rewards_for
             "--output-dir", str(out), *extra]
 
 
-def run_cli(argv, capsys):
-    capsys.readouterr()
-    code = main(argv)
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
-
-
-def one_line(err: str, *needles: str) -> None:
-    lines = [x for x in err.strip().splitlines() if not x.startswith("furlong: note:")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    for n in needles:
-        assert n in lines[0], f"{n!r} not in {lines[0]!r}"
 
 
 # ---------------------------------------------------------------- progress
