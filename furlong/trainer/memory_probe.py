@@ -134,13 +134,13 @@ def _timed_probe(actor: Actor, num_tokens: int) -> tuple[int, float]:
     return peak, time.perf_counter() - t
 
 
-def probe_modes(actor: Actor) -> dict[bool, ModeProbe]:
-    """Two probe sizes in each recompute mode (the model's flag is toggled and put back)."""
+def probe_modes(actor: Actor, modes: tuple[bool, ...] = (False, True)) -> dict[bool, ModeProbe]:
+    """Two probe sizes in each recompute mode of `modes` (the model's flag is toggled and put back)."""
     keep, actor.keep_logits_bytes = actor.keep_logits_bytes, 0   # module docstring: counted as fixed memory
     was = actor.model.gradient_checkpointing
     out = {}
     try:
-        for recompute in (False, True):
+        for recompute in modes:
             actor.model.gradient_checkpointing = recompute
             (p0, t0), (p1, t1) = (_timed_probe(actor, n) for n in (PROBE_TOKENS, 2 * PROBE_TOKENS))
             out[recompute] = ModeProbe(recompute, (PROBE_TOKENS, 2 * PROBE_TOKENS), (p0, p1), (t0, t1))
@@ -169,7 +169,15 @@ def plan_trainer_memory(actor: Actor, requested_tokens: int | None, requested_re
     if total_bytes is None:
         total_bytes = torch.cuda.get_device_properties(actor.ctx.device).total_memory
     budget = MemoryBudget(total_bytes, reserved_bytes, pending + actor.keep_logits_bytes)
-    plan = plan_memory(probes or probe_modes(actor), budget, requested_tokens, requested_recompute, min_tokens)
+    if probes is None:
+        # the asked-for mode first: when its budget fits, the other mode's probes (half the start-up
+        # probing) are not needed
+        probes = probe_modes(actor, (requested_recompute,))
+        mine = probes[requested_recompute]
+        if not (requested_tokens is not None and requested_tokens >= min_tokens
+                and mine.peak(requested_tokens, budget.pending_bytes) <= budget.usable_bytes):
+            probes.update(probe_modes(actor, tuple(m for m in (False, True) if m != requested_recompute)))
+    plan = plan_memory(probes, budget, requested_tokens, requested_recompute, min_tokens)
     tokens, recompute = all_reduce_max([-plan.max_tokens_per_gpu, float(plan.gradient_checkpointing)])
     if int(-tokens) != plan.max_tokens_per_gpu or bool(recompute) != plan.gradient_checkpointing:
         plan = MemoryPlan(int(-tokens), bool(recompute), plan.predicted_peak_bytes,
