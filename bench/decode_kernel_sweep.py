@@ -1,0 +1,139 @@
+"""The paged decode attention kernel alone, bf16 against fp8 K/V, over its launch settings (device).
+
+One layer of a Qwen3-0.6B-shaped cache (16 query heads, 8 KV heads, head_dim 128, 64-token pages,
+the engine's page layout from kv_cache.KVLayout with 4 layers interleaved, pages in random order),
+B rows at one context length; each setting is timed over CUDA-graph replays (median of 5 x 20)
+and reported with the bandwidth it reaches over the K/V (+ scale) bytes it must read. The
+engine's own setting is block_n 64, num_warps 4 (bf16) or 2 (fp8), num_stages 2 and the split
+count of ModelRunner.num_splits. Tried and dropped (slower, 2026-12-04): Q quantised to e4m3 for an
+fp8 x fp8 Q.K^T dot (no faster, 5x the output error), and K/V tiles dequantised in registers
+before the dots (6x slower).
+
+    python3 bench/decode_kernel_sweep.py [--batch 256,64] [--context 640,4096] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from furlong.engine.kernels import paged_decode_attention
+from furlong.engine.kv_cache import KVLayout
+from furlong.engine.kv_fp8 import FP8, quantize
+
+HQ, HKV, D, PAGE, LAYERS = 16, 8, 128, 64, 4
+
+
+def engine_splits(rows: int, num_sms: int) -> int:
+    """ModelRunner.num_splits's rule (4 programs per SM over rows x KV heads, power of two <= 16)."""
+    want = -(-4 * num_sms // (max(1, rows) * HKV))
+    return max(1, min(16, 1 << (want - 1).bit_length()))
+
+
+def build(batch: int, context: int, fp8: bool, gen: torch.Generator):
+    pages_per_row = -(-context // PAGE)
+    num_pages = batch * pages_per_row
+    layout = KVLayout(LAYERS, HKV, PAGE, D, FP8 if fp8 else torch.bfloat16, fp8)
+    kbuf = torch.empty(num_pages * layout.page_bytes, dtype=torch.uint8, device="cuda")
+    vbuf = torch.empty_like(kbuf)
+    (k, ks), (v, vs) = layout.views(kbuf, num_pages), layout.views(vbuf, num_pages)
+    k, v = k[:, 1], v[:, 1]                                   # one layer: strided like the engine's
+    raw_k = torch.randn(num_pages, HKV, PAGE, D, device="cuda", generator=gen) * 2
+    raw_v = torch.randn(num_pages, HKV, PAGE, D, device="cuda", generator=gen)
+    if fp8:
+        ks, vs = ks[:, 1], vs[:, 1]
+        qk, sk = quantize(raw_k)
+        qv, sv = quantize(raw_v)
+        k.copy_(qk), v.copy_(qv), ks.copy_(sk), vs.copy_(sv)
+    else:
+        k.copy_(raw_k), v.copy_(raw_v)
+    perm = torch.randperm(num_pages, device="cuda", generator=gen).to(torch.int32)
+    tables = perm.view(batch, pages_per_row)
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, HQ, D, device="cuda", generator=gen).to(torch.bfloat16)
+    bytes_read = batch * context * HKV * 2 * (D * (1 if fp8 else 2) + (4 if fp8 else 0))
+    return q, k, v, ks, vs, tables, lens, bytes_read
+
+
+def time_graph(fn) -> float:
+    """Median ms per call over 5 batches of 20 graph replays."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(20):
+            fn()
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 20)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", default="256,64")
+    ap.add_argument("--context", default="640,4096")
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--quick", action="store_true", help="block_n 64 only")
+    a = ap.parse_args()
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    results = []
+    for batch, context in itertools.product(map(int, a.batch.split(",")), map(int, a.context.split(","))):
+        base = engine_splits(batch, num_sms)
+        for fp8 in (False, True):
+            q, k, v, ks, vs, tables, lens, nbytes = build(batch, context, fp8, gen)
+            ref = None
+            grid = ((64,) if a.quick else (32, 64), (2, 4, 8), (1, 2, 3, 4), sorted({base, base * 2, max(1, base // 2)}))
+            for block_n, warps, stages, splits in itertools.product(*grid):
+                def fn():
+                    return paged_decode_attention(q, k, v, tables, lens, splits, block_n=block_n,
+                                                  key_scales=ks if fp8 else None,
+                                                  value_scales=vs if fp8 else None,
+                                                  num_warps=warps, num_stages=stages, deq=qk8)
+                try:
+                    out = fn()
+                    ref = out if ref is None else ref
+                    err = (out.float() - ref.float()).abs().max().item()
+                    ms = time_graph(fn)
+                except Exception as e:   # a setting Triton cannot compile (shared memory): reported
+                    results.append(dict(batch=batch, context=context, kv="fp8" if fp8 else "bf16",
+                                        block_n=block_n, warps=warps, stages=stages, splits=splits,
+                                        error=str(e).splitlines()[0][:200]))
+                    continue
+                row = dict(batch=batch, context=context, kv="fp8" if fp8 else "bf16", block_n=block_n,
+                           warps=warps, stages=stages, splits=splits, ms=round(ms, 4),
+                           tb_s=round(nbytes / ms / 1e9, 3), max_diff_vs_first=err,
+                           engine_setting=(block_n, warps, stages, splits) == (64, 2 if fp8 else 4, 2, base))
+                results.append(row)
+                print(json.dumps(row), flush=True)
+            del q, k, v, ks, vs
+            torch.cuda.empty_cache()
+    best = {}
+    for r in results:
+        if "ms" in r:
+            key = (r["batch"], r["context"], r["kv"])
+            if key not in best or r["ms"] < best[key]["ms"]:
+                best[key] = r
+    print("best per (batch, context, kv):")
+    for r in best.values():
+        eng = next(x for x in results if x.get("engine_setting") and
+                   (x["batch"], x["context"], x["kv"]) == (r["batch"], r["context"], r["kv"]))
+        print(f"  B={r['batch']} ctx={r['context']} {r['kv']}: engine {eng['ms']:.3f} ms ({eng['tb_s']} TB/s); "
+              f"best {r['ms']:.3f} ms ({r['tb_s']} TB/s) at block_n {r['block_n']} warps {r['warps']} "
+              f"stages {r['stages']} splits {r['splits']}")
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "decode_kernel_sweep.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
