@@ -39,7 +39,7 @@ from furlong.trainer.planning import rank_micro_batches  # noqa: E402
 from furlong.types import DistContext  # noqa: E402
 
 NUM_ROLLOUT, NUM_PROMPTS, N = 2, 4, 2
-TOOL_TEXT = "\n<|im_start|>tool\n83810205<|im_end|>\n<|im_start|>assistant\n"   # 12345 * 6789, as the template writes it
+TOOL_TEXT = "\n<|im_start|>tool\n83810205<|im_end|>\n<|im_start|>assistant\n"   # 12345 * 6789, as rendered
 PER_RANK = ("train/num_micro_batches", "train/tokens_max_over_mean")   # this rank's share, by definition
 
 

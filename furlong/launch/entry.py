@@ -136,8 +136,8 @@ def stopped_line(command: str, cfg: Config, e: WorkersStopped) -> str | None:
     from furlong.termination import Terminated, terminated_line
     if e.num_killed:
         path = last_complete_checkpoint(cfg.ckpt.save)
-        kept = ("no checkpoint (no --save)" if cfg.ckpt.save is None else
-                f"last complete checkpoint: {path}" if path is not None else f"no complete checkpoint in {cfg.ckpt.save}")
+        kept = ("no checkpoint (no --save)" if cfg.ckpt.save is None else f"last complete checkpoint: {path}"
+                if path is not None else f"no complete checkpoint in {cfg.ckpt.save}")
         return (f"furlong {command}: stopped by signal {e.signum} ({signal.Signals(e.signum).name}); "
                 f"{e.num_killed} worker(s) had not stopped {e.grace_s:g}s later and were killed; {kept}")
     if e.workers_printed:
