@@ -154,3 +154,12 @@ def test_workers_stop_when_their_launcher_is_killed(tmp_path):
     while [p for p in pids if running(p)]:
         assert time.monotonic() < deadline, "a worker outlived its launcher"
         time.sleep(0.1)
+
+
+def test_a_failure_is_reported_not_the_stop_of_the_ranks_terminated_after_it(tmp_path):
+    """The launcher terminates the other ranks when one fails; their stop lines must not displace it."""
+    from furlong.launch.distributed import WorkerError, launch_local
+    from workers_for_stop_tests import rank_1_fails
+    with pytest.raises(WorkerError) as info:
+        launch_local(rank_1_fails, 2, str(tmp_path))
+    assert (info.value.rank, info.value.code, info.value.line) == (1, 1, "ValueError: --lr: rank 1 says no")

@@ -20,6 +20,17 @@ def wait_forever(pid_dir: str, ignore_sigterm: bool) -> int:
         time.sleep(0.1)
 
 
+def rank_1_fails(pid_dir: str) -> int:
+    """Rank 1 raises a user error; rank 0 waits in Python (where SIGTERM is handled at once) until the
+    launcher terminates it."""
+    if os.environ["RANK"] == "1":
+        while not (Path(pid_dir) / "0.pid").exists():   # rank 0 is in its function, handlers installed
+            time.sleep(0.01)
+        raise ValueError("--lr: rank 1 says no")
+    wait_forever(pid_dir, False)
+    return 0
+
+
 def main(pid_dir: str, grace_s: str, mode: str) -> int:
     from furlong.config import Config
     from furlong.launch.distributed import launch_local

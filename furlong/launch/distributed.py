@@ -261,7 +261,9 @@ def launch_local(fn: Callable[..., Any], num_procs: int, *args: Any, describe: D
         raise stopped
     if failed is not None:
         # A user error first (the lowest rank's: ranks usually fail alike), else the first report
-        # queued: the ranks that failed after it may have failed only because it went away.
+        # queued: the ranks that failed after it may have failed only because it went away. The
+        # stop lines of the ranks terminated above say nothing about the failure.
+        reports = [r for r in reports if r[1] < 128] or reports
         chosen = min((r for r in reports if r[3]), default=None) or (reports[0] if reports else None)
         if chosen is not None:
             raise WorkerError(*chosen)
