@@ -157,7 +157,7 @@ def test_workers_stop_when_their_launcher_is_killed(tmp_path):
 
 
 def test_a_failure_is_reported_not_the_stop_of_the_ranks_terminated_after_it(tmp_path):
-    """The launcher terminates the other ranks when one fails; their stop lines must not displace it."""
+    """The launcher ends the other ranks when one fails; they report no stop line that could displace it."""
     from furlong.launch.distributed import WorkerError, launch_local
     from workers_for_stop_tests import rank_1_fails
     with pytest.raises(WorkerError) as info:

@@ -248,9 +248,11 @@ def launch_local(fn: Callable[..., Any], num_procs: int, *args: Any, describe: D
         finally:
             if stop.signum is not None:
                 num_killed = stop.kill(alive)
-            for p in procs:  # a failed rank leaves the others blocked in collectives
+            # A failed rank leaves the others blocked in collectives: SIGKILL, since SIGTERM would only
+            # start their stop-at-a-safe-point path (the run has failed; saves are atomic anyway).
+            for p in procs:
                 if p.exitcode is None:
-                    p.terminate()
+                    p.kill()
             for p in procs:
                 p.join()
     reports = []
@@ -261,8 +263,8 @@ def launch_local(fn: Callable[..., Any], num_procs: int, *args: Any, describe: D
         raise stopped
     if failed is not None:
         # A user error first (the lowest rank's: ranks usually fail alike), else the first report
-        # queued: the ranks that failed after it may have failed only because it went away. The
-        # stop lines of the ranks terminated above say nothing about the failure.
+        # queued: the ranks that failed after it may have failed only because it went away. A stop
+        # line (a rank SIGTERMed from outside) says nothing about the failure.
         reports = [r for r in reports if r[1] < 128] or reports
         chosen = min((r for r in reports if r[3]), default=None) or (reports[0] if reports else None)
         if chosen is not None:
