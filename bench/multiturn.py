@@ -9,7 +9,7 @@ Against:
   single_engine  the same R_i tokens in one turn, as the default rollout runs them (32 requests of
                  n = 8: each prompt prefilled once; the target's baseline)
   single_front   the same, one coroutine per sample on the front (n = 1 requests: what a custom
-                 generate function with one turn costs)
+                 generate function with one turn costs; a prompt's n requests share its prefill)
 Each is run twice; the second run is timed (the first captures CUDA graphs). Target:
 multi_turn / single_engine <= 1.2.
 

@@ -58,3 +58,80 @@ def rollout_two_groups_each(args, rollout_id, data_source, evaluation=False):
             group.append(s)
         groups.append(group)
     return groups
+
+
+# ------------------------------------------------ the calculator recipe with a scripted first call
+
+SCRIPTED_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12345 * 6789"}}</tool_call><|im_end|>'
+
+
+class _CallFirst:
+    """A conversation whose first model turn is SCRIPTED_CALL (a tiny random model never writes a tool
+    call) and whose later turns are the real engine's, continuing the same conversation."""
+
+    def __init__(self, front, tokenizer, seed):
+        self.inner, self.tokenizer, self.num_turns = front.conversation(seed), tokenizer, 0
+
+    async def __aenter__(self):
+        self.conv = await self.inner.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc):
+        return await self.inner.__aexit__(*exc)
+
+    async def generate(self, token_ids, sampling):
+        from furlong.engine.async_front import Turn
+        self.num_turns += 1
+        if self.num_turns > 1:
+            return await self.conv.generate(token_ids, sampling)
+        ids = self.tokenizer(SCRIPTED_CALL, add_special_tokens=False)["input_ids"]
+        return Turn(ids, [0.0] * len(ids), SCRIPTED_CALL, "stop")
+
+
+class _CallFirstFront:
+    def __init__(self, front, tokenizer):
+        self.front, self.tokenizer = front, tokenizer
+
+    def conversation(self, seed):
+        return _CallFirst(self.front, self.tokenizer, seed)
+
+
+async def calculator_scripted_call(args, sample, sampling_params):
+    """furlong.tools.calculator_generate.generate with the model's first turn scripted to call the
+    calculator; every finished sample is recorded, with the rank that generated it, in
+    <output-dir>/generated_rank<r>.jsonl (tests/test_custom_generate_ranks.py reads them)."""
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from furlong.tools import calculator_generate
+    scripted = dataclasses.replace(args, engine=_CallFirstFront(args.engine, args.tokenizer))
+    sample = await calculator_generate.generate(scripted, sample, sampling_params)
+    if not args.evaluation:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        row = {"group": sample.group_id, "index": sample.index, "prompt_ids": sample.prompt.token_ids,
+               "response_ids": sample.response_ids, "loss_mask": sample.loss_mask,
+               "rollout_log_probs": sample.rollout_log_probs, "num_tool_calls": sample.metadata["num_tool_calls"]}
+        with open(Path(args.config.log.output_dir) / f"generated_rank{rank}.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return sample
+
+
+RECORD_ENV = "FURLONG_TEST_BATCH_RECORD_DIR"
+
+
+def record_batch_filter(group):
+    """--dynamic-sampling-filter-path: keeps every group, and writes what this rank holds, in the order it
+    holds it (every rank filters the gathered groups), to $FURLONG_TEST_BATCH_RECORD_DIR/batch_rank<r>.jsonl."""
+    import json
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    row = {"group": group.group_id, "samples": [
+        {"index": s.index, "tokens": s.tokens, "loss_mask": s.loss_mask, "reward": s.reward} for s in group.samples]}
+    with open(Path(os.environ[RECORD_ENV]) / f"batch_rank{rank}.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    return True

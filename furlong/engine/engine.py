@@ -49,6 +49,7 @@ class EngineConfig:
     max_model_len: int = 4096         # prompt + response tokens of any request
     use_cuda_graphs: bool = True
     cascade: bool = True              # a group's shared prompt KV read once per decode step (cascade.py)
+    share_prompts: bool = True        # same-prompt requests admitted together prefill it once (scheduler.py)
     cascade_min_prefix: int = 256     # tokens: shorter shared prompts are read by each row (measured no gain)
     compile: bool | None = None       # torch.compile the layer blocks (None: on CUDA)
     cpu_kv_tokens: int = 1 << 16      # KV slots on CPU, where free memory is not measured
@@ -101,7 +102,7 @@ class Engine:
         runner.allocate(num_pages, max_pages)
         self.scheduler = Scheduler(blocks, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.decode_window,
                                    cfg.max_model_len, self.stop_rules, self.stats,
-                                   min_admit=max(1, cfg.max_num_seqs // 16))
+                                   min_admit=max(1, cfg.max_num_seqs // 16), share_prompts=cfg.share_prompts)
 
     def release(self) -> None:
         """Free the KV cache and graphs (nothing may be running)."""

@@ -25,6 +25,11 @@ of two plans, and `postprocess` takes what the model runner sampled for it:
            turn instead, retained.py); the step is counted in the engine's stats.
 A `continues` request waits as a sequence that holds its cached prefix's pages
 and prefills the rest; parked pages are freed before anything is preempted.
+Shared prompts (`share_prompts`): new requests with the same prompt admitted in one step (the n
+conversations of a custom-generate group each submit the group's prompt as their first turn) are
+prefilled as ONE item whose sequences fork its pages, as a request's n samples do; the joiners cost
+no prefill budget and only their fork pages. Each sequence keeps its own request (id, sampling,
+seed, retain_kv), so their tokens are those of separate prefills (tests/test_shared_prefill.py).
 """
 from __future__ import annotations
 
@@ -57,7 +62,8 @@ class Plan:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_prefill_tokens: int, window: int,
-                 max_model_len: int, stop_rules: StopRules, stats: EngineStats, min_admit: int = 1):
+                 max_model_len: int, stop_rules: StopRules, stats: EngineStats, min_admit: int = 1,
+                 share_prompts: bool = True):
         self.blocks = blocks
         self.stop_rules = stop_rules
         self.stats = stats                        # counted into; the engine owns and resets it
@@ -66,6 +72,7 @@ class Scheduler:
         self.window = window
         self.max_model_len = max_model_len
         self.min_admit = min_admit
+        self.share_prompts = share_prompts
         self.waiting: deque[Request | Sequence] = deque()
         self.running: list[Sequence] = []
         self.active_ids: dict[int, int] = {}      # request id -> samples not yet finished
@@ -110,32 +117,52 @@ class Scheduler:
             own = pages_for(item.num_tokens, size) - len(item.block_table)
         return own + num * pages_for(self.window + 1, size)    # head-room: one decode window per sample
 
+    def _shared_key(self, item: Request | Sequence) -> tuple[int, ...] | None:
+        """The prompt a new request may share with another admitted in the same step (None: never)."""
+        return tuple(item.prompt_ids) if self.share_prompts and isinstance(item, Request) else None
+
     def _admit(self) -> list[PrefillItem]:
         free_pages, free_rows = self.blocks.num_free, self.max_num_seqs - len(self.running)
         budget = self.max_prefill_tokens
         picked: list[Request | Sequence] = []
+        prompts: set[tuple[int, ...]] = set()     # prompts prefilled by this step's picks so far
         rows = 0
         for item in self.waiting:
             num, tokens = self._unit(item)
-            pages = self._pages_needed(item)
+            key = self._shared_key(item)
+            if key is not None and key in prompts:   # joins that prefill: its fork pages and head-room only
+                tokens, head_room = 0, num * pages_for(self.window + 1, self.blocks.block_size)
+                pages = self.blocks.fork_cost(len(key), num + 1) + head_room
+            else:
+                pages = self._pages_needed(item)
             if num > free_rows or pages > free_pages or (picked and tokens > budget):
                 break
             picked.append(item)
+            if key is not None:
+                prompts.add(key)
             free_rows, free_pages, budget, rows = free_rows - num, free_pages - pages, budget - tokens, rows + num
         if self.running and rows < min(self.min_admit, sum(self._unit(i)[0] for i in self.waiting)):
             return []
-        out = []
+        out: list[PrefillItem] = []
+        hosts: dict[tuple[int, ...], PrefillItem] = {}
         for item in picked:
             self.waiting.popleft()
-            if isinstance(item, Request):
+            key = self._shared_key(item)
+            if isinstance(item, Request) and key in hosts:
+                seqs = new_sequences(item)
+                hosts[key].sequences.extend(seqs)
+            elif isinstance(item, Request):
                 seqs = new_sequences(item)
                 self.blocks.grow(seqs[0].block_table, len(item.prompt_ids))
                 out.append(PrefillItem(sequences=seqs, token_ids=list(item.prompt_ids), page_copies=[]))
+                if key is not None:
+                    hosts[key] = out[-1]
             else:
                 self.blocks.grow(item.block_table, item.num_tokens)
-                out.append(PrefillItem(sequences=[item], token_ids=item.token_ids[item.num_cached:], page_copies=[],
+                seqs = [item]
+                out.append(PrefillItem(sequences=seqs, token_ids=item.token_ids[item.num_cached:], page_copies=[],
                                        start=item.num_cached))
-            for s in out[-1].sequences:
+            for s in seqs:
                 s.serial = next(self._serials)
         for item in out:          # after every prompt's own pages, as when the fork followed the prefill
             seqs = item.sequences

@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from furlong.launch.worker_stop import STOP_GRACE_S, STOPPED_CODES, ParentStop, exit_with_parent
 from furlong.types import DistContext
 
 
@@ -159,6 +160,7 @@ Describe = Callable[[BaseException], "tuple[int, str] | None"]
 
 def _spawned(local_rank: int, num_procs: int, port: int, fn: Callable[..., Any], args: tuple, err_q: Any,
              describe: Describe | None) -> None:
+    from furlong.termination import Terminated, sigterm_raises, terminated_line
     os.environ.update({
         "RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(num_procs),
         "LOCAL_WORLD_SIZE": str(num_procs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -166,8 +168,18 @@ def _spawned(local_rank: int, num_procs: int, port: int, fn: Callable[..., Any],
     if "OMP_NUM_THREADS" not in os.environ:
         # N workers share this host's cores (torchrun does the same by default)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_procs))
+    exit_with_parent()
     try:
-        result = fn(*args)
+        with sigterm_raises():   # outside a step loop, the launcher's forwarded SIGTERM is one line too
+            result = fn(*args)
+    except (Terminated, KeyboardInterrupt) as e:   # asked to stop (worker_stop.py): a line, no traceback
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        code = 128 + e.signum if isinstance(e, Terminated) else 128 + signal.SIGINT
+        err_q.put((local_rank, code, terminated_line(e) if isinstance(e, Terminated) else "furlong: interrupted",
+                   True))
+        sys.stdout.flush()
+        # no destroy_distributed: a peer may sit in a collective that would hold this exit up
+        os._exit(code)
     except BaseException as e:  # report every failure, including SystemExit from validation
         code = e.code if isinstance(e, SystemExit) else 1
         if isinstance(e, SystemExit) and code in (0, None):
@@ -197,15 +209,16 @@ def _spawned(local_rank: int, num_procs: int, port: int, fn: Callable[..., Any],
     os._exit(result if isinstance(result, int) and result >= 128 else 0)  # >= 128: stopped by a signal (signals.py)
 
 
-def launch_local(fn: Callable[..., Any], num_procs: int, *args: Any, describe: Describe | None = None) -> int:
+def launch_local(fn: Callable[..., Any], num_procs: int, *args: Any, describe: Describe | None = None,
+                 stop_grace_s: float = STOP_GRACE_S) -> int:
     """Run `fn(*args)` in `num_procs` fresh (spawned) processes forming one process group.
 
     `fn` must be picklable (module-level). When a worker fails, the others are
     terminated and WorkerError carries the lowest failing rank's report (see the
     module docstring for `describe`).
     SIGINT/SIGTERM to this launcher are forwarded (as SIGTERM) to the workers, which stop after
-    their current step (signals.py); then the workers' exit code (128 + signal) is
-    returned, else 0.
+    their current step (signals.py); workers still running `stop_grace_s` later are killed, and
+    WorkersStopped says how the run ended (worker_stop.py). Returns the workers' largest exit code.
     Plain multiprocessing rather than torch.multiprocessing.start_processes: the
     latter's exit path costs seconds per launch, which the CPU tests feel.
     """
@@ -216,36 +229,43 @@ def launch_local(fn: Callable[..., Any], num_procs: int, *args: Any, describe: D
     port = free_port()
     procs = [ctx.Process(target=_spawned, args=(r, num_procs, port, fn, args, err_q, describe), daemon=False)
              for r in range(num_procs)]
-    for p in procs:
-        p.start()
-    failed = None
-    # Forwarded as SIGTERM: a terminal's Ctrl-C also reaches the workers directly, and a second SIGINT
-    # would force them down; SIGTERM only (re)sets their stop flag.
-    forward = lambda signum, frame: [os.kill(p.pid, signal.SIGTERM) for p in procs if p.exitcode is None]  # noqa: E731
-    old_handlers = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        alive = list(procs)
-        while alive and failed is None:
-            mp_connection.wait([p.sentinel for p in alive])
-            for p in list(alive):
-                if p.exitcode is not None:
-                    alive.remove(p)
-                    if p.exitcode not in (0, 128 + signal.SIGINT, 128 + signal.SIGTERM) and failed is None:
-                        failed = p
-    finally:
-        for s, h in old_handlers.items():
-            signal.signal(s, h)
-        for p in procs:  # a failed rank leaves the others blocked in collectives
-            if p.exitcode is None:
-                p.terminate()
-        for p in procs:
-            p.join()
+    stop = ParentStop(procs, stop_grace_s)
+    failed, alive, num_killed = None, list(procs), 0
+    with stop.installed():
+        try:
+            for p in procs:
+                p.start()
+            stop.forward()   # a signal that came while the workers were starting reaches them all
+            # Once a stop is asked for, a worker failing (its peer left a collective) no longer ends the
+            # wait: every worker gets its grace to stop and save.
+            while alive and (failed is None or stop.signum is not None) and not stop.expired():
+                mp_connection.wait([p.sentinel for p in alive], timeout=stop.wait_timeout())
+                for p in list(alive):
+                    if p.exitcode is not None:
+                        alive.remove(p)
+                        if p.exitcode not in (0, *STOPPED_CODES) and failed is None:
+                            failed = p
+        finally:
+            if stop.signum is not None:
+                num_killed = stop.kill(alive)
+            # A failed rank leaves the others blocked in collectives: SIGKILL, since SIGTERM would only
+            # start their stop-at-a-safe-point path (the run has failed; saves are atomic anyway).
+            for p in procs:
+                if p.exitcode is None:
+                    p.kill()
+            for p in procs:
+                p.join()
+    reports = []
+    while not err_q.empty():
+        reports.append(err_q.get())
+    stopped = stop.outcome(reports, num_killed)
+    if stopped is not None:
+        raise stopped
     if failed is not None:
-        reports = []
-        while not err_q.empty():
-            reports.append(err_q.get())
         # A user error first (the lowest rank's: ranks usually fail alike), else the first report
-        # queued: the ranks that failed after it may have failed only because it went away.
+        # queued: the ranks that failed after it may have failed only because it went away. A stop
+        # line (a rank SIGTERMed from outside) says nothing about the failure.
+        reports = [r for r in reports if r[1] < 128] or reports
         chosen = min((r for r in reports if r[3]), default=None) or (reports[0] if reports else None)
         if chosen is not None:
             raise WorkerError(*chosen)

@@ -10,7 +10,9 @@ CiFailure: --ci-test missed its threshold) exits 1. Anything else is a bug and
 keeps its traceback. One path for every world size: `launch` runs `_worker`
 here (one process or a torchrun rank; cli.main turns the error into its line),
 or in N spawned workers whose errors train/distributed.launch_local classifies
-with `user_error` and reports to this process, which prints the lowest rank's line.
+with `user_error` and reports to this process, which prints the lowest rank's line. SIGINT/SIGTERM
+to a process that spawned its workers is forwarded to them (launch/worker_stop.py): they stop at a safe
+point or are killed after a bounded wait, and `stopped_line` is the one line; exit 128 + signal.
 
 With several ranks, a failure on one rank reaches the others as a failed collective. Each rank's
 `_worker` passes its exception to launch/failure.stop_report, which names the rank lost or failed,
@@ -31,6 +33,7 @@ from furlong.config import Config
 
 if TYPE_CHECKING:   # furlong.types imports torch, which `furlong --help` need not load
     from furlong.launch.failure import Position
+    from furlong.launch.worker_stop import WorkersStopped
     from furlong.run.user_functions import UserFunctions
     from furlong.types import DistContext
 
@@ -125,6 +128,25 @@ def _worker(command: str, cfg: Config, user: UserFunctions | None = None) -> int
         destroy_distributed()
 
 
+def stopped_line(command: str, cfg: Config, e: WorkersStopped) -> str | None:
+    """The launcher's one line for a signalled run of spawned workers; None when rank 0's step loop
+    already printed "stopped by signal N after rollout K" (the line a single process prints)."""
+    import signal
+    from furlong.launch.failure import last_complete_checkpoint
+    from furlong.termination import Terminated, terminated_line
+    if e.num_killed:
+        path = last_complete_checkpoint(cfg.ckpt.save)
+        kept = ("no checkpoint (no --save)" if cfg.ckpt.save is None else f"last complete checkpoint: {path}"
+                if path is not None else f"no complete checkpoint in {cfg.ckpt.save}")
+        return (f"furlong {command}: stopped by signal {e.signum} ({signal.Signals(e.signum).name}); "
+                f"{e.num_killed} worker(s) had not stopped {e.grace_s:g}s later and were killed; {kept}")
+    if e.workers_printed:
+        return None
+    # a worker's own line (it stopped outside a step), else the same words for workers that were
+    # stopped before they could say anything (still starting) or failed as their peers left
+    return e.worker_line or terminated_line(Terminated(e.signum))
+
+
 def launch(command: str, cfg: Config, user: UserFunctions | None = None) -> int:
     """Run `command` here (one process, or one torchrun rank) or in N local workers; `user`: the Python
     API's callables (train only; spawned workers need them picklable)."""
@@ -136,8 +158,14 @@ def launch(command: str, cfg: Config, user: UserFunctions | None = None) -> int:
                          "`torchrun --nnodes ... -m furlong train ...`")
     if n > 1 and not _under_torchrun():
         from furlong.launch.distributed import WorkerError, launch_local
+        from furlong.launch.worker_stop import WorkersStopped
         try:
             return launch_local(_worker, n, command, cfg, user, describe=user_error)
+        except WorkersStopped as e:   # this launcher got SIGINT/SIGTERM (launch/worker_stop.py)
+            line = stopped_line(command, cfg, e)
+            if line is not None:
+                print(line, file=sys.stderr)
+            return 128 + e.signum
         except WorkerError as e:
             # a user error is its own line; a bug printed its traceback in the worker, and this
             # is the line that matters
