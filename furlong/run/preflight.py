@@ -167,9 +167,14 @@ def check_inputs(cfg: Config, with_actor: bool, user: UserFunctions | None = Non
     user_reward = user.reward if user is not None else None
     eval_sets = []
     for sc in set_configs:   # each set's own keys, prompt limit and reward (eval_set_map.py)
-        ds = PromptDataset(sc.path, input_key=sc.input_key, label_key=sc.label_key, shuffle=False, seed=0,
-                           **{**common, "max_prompt_len": sc.max_prompt_len, "tool_key": sc.tool_key,
-                              "metadata_key": sc.metadata_key})
+        try:
+            ds = PromptDataset(sc.path, input_key=sc.input_key, label_key=sc.label_key, shuffle=False, seed=0,
+                               **{**common, "max_prompt_len": sc.max_prompt_len, "tool_key": sc.tool_key,
+                                  "metadata_key": sc.metadata_key})
+        except ValueError as e:   # the limit an eval set's prompts were held to is --eval-max-prompt-len's
+            if cfg.eval_set.eval_max_prompt_len is None:
+                raise
+            raise type(e)(str(e).replace("--rollout-max-prompt-len", "--eval-max-prompt-len")) from None
         prompts = [dataclasses.replace(p, metadata={**p.metadata, **sc.metadata_overrides}) for p in ds.all()]
         eval_sets.append(EvalSet(sc, prompts, make_reward(cfg, user_reward, eval_reward_key(cfg), sc.rm_type)))
     reward_fn = make_reward(cfg, user_reward, cfg.reward.reward_key)
