@@ -117,6 +117,9 @@ def _run(argv: list[str]) -> int:
         if notes:
             print(f"furlong: note: {' '.join(notes)} only tune SGLang and do not apply to the built-in engine",
                   file=sys.stderr)
+        from furlong.config_debug_flags import start_up_notes
+        for note in start_up_notes(cfg):
+            print(f"furlong: note: {note}", file=sys.stderr)
         if cfg.rollout.rollout_num_gpus_per_engine > 1:
             print(f"furlong: note: --rollout-num-gpus-per-engine {cfg.rollout.rollout_num_gpus_per_engine}: the "
                   "built-in engine runs one data-parallel copy per rank (no tensor parallelism)", file=sys.stderr)

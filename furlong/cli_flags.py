@@ -70,7 +70,9 @@ class UsageError(Exception):
 _PATH_WORDS = ("checkpoint", "path", "data", "dir", "save", "load")
 GROUP_TITLES = {"data": "data and model", "sft": "furlong sft only", "log": "outputs and logging",
                 "ckpt": "checkpoints", "algo": "algorithm", "optim": "optimizer", "batch": "batching and memory",
-                "parallel": "processes and devices", "lora": "LoRA (adapters on a frozen base)"}
+                "parallel": "processes and devices", "lora": "LoRA (adapters on a frozen base)",
+                "eval_set": "eval sets", "reward_mode": "reward calls", "metrics": "extra metrics",
+                "tracking": "wandb and TensorBoard", "debug": "debugging"}
 
 
 def _metavar(f: dataclasses.Field, base: str) -> str:
@@ -110,18 +112,19 @@ _EVAL_ROLLOUT = {"num_rollout", "rollout_batch_size", "n_samples_per_prompt", "o
                  "dynamic_sampling_filter_path", "rollout_num_gpus", "rollout_function_path"}
 COMMAND_FLAGS: dict[str, dict[str, set[str]]] = {
     "train": {g: set() for g in ("data", "reward", "rollout", "eval", "algo", "optim", "batch", "parallel", "ckpt",
-                                 "log", "lora")},
+                                 "log", "lora", "eval_set", "reward_mode", "metrics", "tracking", "debug")},
     "sft": {"data": {"label_key", "apply_chat_template", "rollout_shuffle", "rollout_seed", "rollout_max_prompt_len",
                      "apply_chat_template_kwargs", "tool_key", "metadata_key"},
             "optim": set(), "batch": {"num_steps_per_rollout", "update_weight_buffer_size"}, "parallel": set(),
             "ckpt": {"save_interval", "load", "ckpt_step"}, "sft": set(),
             "log": {"use_tensorboard", "use_wandb", "wandb_project", "wandb_group", "wandb_key",
                     "disable_wandb_random_suffix", "save_debug_rollout_data", "ci_test", "ci_disable_kl_checker",
-                    "ci_metric_checker_key", "ci_metric_checker_threshold"}},
+                    "ci_metric_checker_key", "ci_metric_checker_threshold"}, "tracking": set()},
     "eval": {"data": {"prompt_data", "rollout_shuffle"}, "reward": set(), "rollout": _EVAL_ROLLOUT,
              "eval": {"eval_interval", "skip_eval_before_train"}, "parallel": set(), "ckpt": {"save", "save_interval"},
              "log": {"save_debug_rollout_data", "ci_test", "ci_disable_kl_checker", "ci_metric_checker_key",
-                     "ci_metric_checker_threshold"}},
+                     "ci_metric_checker_threshold"},
+             "eval_set": set(), "reward_mode": set(), "metrics": {"get_mismatch_metrics"}, "tracking": set()},
 }
 # flags each command requires, marked in --help (config_checks.validate enforces them)
 REQUIRED = {"train": {"hf_checkpoint", "prompt_data"}, "sft": {"hf_checkpoint", "prompt_data"},

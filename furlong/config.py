@@ -15,15 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-
-def flag(default: Any = None, help: str = "", **meta: Any) -> Any:
-    """A config field; `meta` may carry aliases=[...] or sglang=True (accepted, reported, unused)."""
-    kwargs: dict[str, Any] = {"metadata": {"help": help, **meta}}
-    if isinstance(default, (list, dict)):
-        kwargs["default_factory"] = lambda d=default: type(d)(d)
-    else:
-        kwargs["default"] = default
-    return field(**kwargs)
+from furlong.config_field import flag  # noqa: F401  (defined there so that config_debug_flags.py can use it too)
 
 
 @dataclass
@@ -233,6 +225,9 @@ class SftFlags:
     sft_max_len: int = flag(2048, "SFT: truncate samples to this many tokens")
 
 
+from furlong.config_debug_flags import DebugFlags, EvalSetFlags, MetricFlags, RewardModeFlags, TrackingFlags  # noqa: E402
+
+
 @dataclass
 class Config:
     data: DataFlags = field(default_factory=DataFlags)
@@ -247,6 +242,11 @@ class Config:
     log: LogFlags = field(default_factory=LogFlags)
     lora: LoraFlags = field(default_factory=LoraFlags)
     sft: SftFlags = field(default_factory=SftFlags)
+    eval_set: EvalSetFlags = field(default_factory=EvalSetFlags)
+    reward_mode: RewardModeFlags = field(default_factory=RewardModeFlags)
+    metrics: MetricFlags = field(default_factory=MetricFlags)
+    tracking: TrackingFlags = field(default_factory=TrackingFlags)
+    debug: DebugFlags = field(default_factory=DebugFlags)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -12,6 +12,7 @@ import dataclasses
 import math
 
 from furlong.config import Config, RolloutFlags
+from furlong.config_debug_flags import check_debug_flags
 from furlong.lora_flags import check_lora_flags
 
 
@@ -82,7 +83,8 @@ def validate(cfg: Config, command: str = "train", reward_given: bool = False) ->
     _need(len(e.eval_prompt_data) % 2 == 0, "--eval-prompt-data", "expects pairs: name path [name path ...]")
     _need(e.eval_interval is None or e.eval_interval >= 1, "--eval-interval", "must be >= 1")
     _need(e.n_samples_per_eval_prompt >= 1, "--n-samples-per-eval-prompt", "must be >= 1")
-    _need(e.eval_interval is None or bool(e.eval_prompt_data), "--eval-interval", "needs --eval-prompt-data")
+    has_evals = bool(e.eval_prompt_data) or cfg.eval_set.eval_config is not None
+    _need(e.eval_interval is None or has_evals, "--eval-interval", "needs --eval-prompt-data (or --eval-config)")
     # an unset eval flag takes the rollout's value (config_map.eval_config), checked above
     _need(e.eval_temperature is None or e.eval_temperature >= 0, "--eval-temperature", "must be >= 0")
     _need(e.eval_top_p is None or 0 < e.eval_top_p <= 1, "--eval-top-p", "must be in (0, 1]")
@@ -155,7 +157,7 @@ def validate(cfg: Config, command: str = "train", reward_given: bool = False) ->
     _need(cfg.ckpt.ckpt_step is None or cfg.ckpt.load is not None, "--ckpt-step", "needs --load")
     _need(cfg.ckpt.ckpt_step is None or cfg.ckpt.ckpt_step >= 1, "--ckpt-step", "must be >= 1")
     if command == "train":
-        _need(r.num_rollout >= 1 or bool(e.eval_prompt_data), "--num-rollout",
+        _need(r.num_rollout >= 1 or has_evals, "--num-rollout",
               "0 trains nothing (give --eval-prompt-data for an eval-only run)")
         kept = r.rollout_batch_size * r.n_samples_per_prompt   # the rollout keeps exactly this many samples
         _need(b.num_steps_per_rollout is not None or b.global_batch_size is None or kept % b.global_batch_size == 0,
@@ -178,6 +180,7 @@ def validate(cfg: Config, command: str = "train", reward_given: bool = False) ->
         _need(cfg.log.ci_metric_checker_threshold is not None, "--ci-metric-checker-threshold", "required with --ci-test")
     _need(cfg.sft.num_epoch >= 1, "--num-epoch", "must be >= 1")
     check_lora_flags(cfg)
+    check_debug_flags(cfg)
     _check_seeds_and_names(cfg)
 
 

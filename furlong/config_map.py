@@ -29,6 +29,8 @@ from furlong.models.lora_names import parse_target_modules
 from furlong.rollout.custom_generate import GenerateConfig
 from furlong.rollout.eval import EvalConfig
 from furlong.rollout.rollout import RolloutConfig
+from furlong.run.debug_data import DebugConfig, debug_config
+from furlong.run.reward_metrics import RewardLogConfig
 from furlong.run.step import LogProbPasses, log_prob_passes
 from furlong.trainer.actor import Actor
 from furlong.trainer.critic import Critic
@@ -54,6 +56,9 @@ class RunConfig:
     ci_check_kl: bool                # --ci-test: the first actor step's ppo_kl must be ~0
     max_nonfinite_skips: int         # stop after this many optimizer steps in a row skipped (0: never)
     generate: GenerateConfig = GenerateConfig(max_context_len=None)   # custom generate/rollout functions
+    debug: DebugConfig = DebugConfig()                                # miles' debug modes (run/debug_data.py)
+    reward_logs: RewardLogConfig = RewardLogConfig()                  # --log-passrate, --log-reward-category
+    mismatch_metrics: bool = False                                    # --get-mismatch-metrics
 
     def with_max_tokens(self, max_tokens_per_gpu: int) -> RunConfig:
         """This config with the micro-batch token budget the memory probe chose ('auto')."""
@@ -210,17 +215,22 @@ def checkpoint_config(cfg: Config) -> CheckpointConfig:
 
 
 def run_config(cfg: Config) -> RunConfig:
-    a, lg = cfg.algo, cfg.log
+    a, lg, debug = cfg.algo, cfg.log, debug_config(cfg)
+    checkpoint = checkpoint_config(cfg)
+    if debug.rollout_only:   # nothing trains, so nothing is saved (miles)
+        checkpoint = dataclasses.replace(checkpoint, save=None, critic_save=None)
     return RunConfig(
         num_rollout=cfg.rollout.num_rollout, rollout=rollout_config(cfg), eval=eval_config(cfg),
         steps=batching_config(cfg), shaping=shaping_config(cfg), advantages=advantage_config(cfg),
-        passes=passes_config(cfg), checkpoint=checkpoint_config(cfg), num_critic_only_steps=a.num_critic_only_steps,
+        passes=passes_config(cfg), checkpoint=checkpoint, num_critic_only_steps=a.num_critic_only_steps,
         update_weight_buffer_size=cfg.batch.update_weight_buffer_size,
         save_debug_rollout_data=lg.save_debug_rollout_data,
         ci_metric_key=lg.ci_metric_checker_key if lg.ci_test else None, ci_threshold=lg.ci_metric_checker_threshold,
         # with old log-probs from the engine the first step's ratio is not exactly 1
         ci_check_kl=lg.ci_test and not lg.ci_disable_kl_checker and not a.use_rollout_logprobs,
-        max_nonfinite_skips=cfg.optim.max_nonfinite_skips, generate=generate_config(cfg))
+        max_nonfinite_skips=cfg.optim.max_nonfinite_skips, generate=generate_config(cfg), debug=debug,
+        reward_logs=RewardLogConfig(cfg.metrics.log_passrate, cfg.metrics.log_reward_category),
+        mismatch_metrics=cfg.metrics.get_mismatch_metrics)
 
 
 # miles' default --rollout-seed minus its default --seed: with neither flag given, runs draw as miles' do

@@ -6,7 +6,8 @@ three (FSDP2 over torch.distributed, a built-in engine in the trainer's process,
 flags are refused with one line saying what furlong does instead, rather than being silently dropped.
 
 A flag's answer: accepted when config.py defines it (a field or one of its `aliases`);
-accepted-and-ignored when that field is marked sglang=True (the CLI notes it once at start-up);
+accepted-and-ignored when that field is marked sglang=True or ignored="why" (the CLI notes it once at
+start-up);
 otherwise refused, in the first category of REFUSALS whose group or prefix matches, else "not
 supported yet". Prefixes cover the Megatron and SGLang families miles' list cannot name in full.
 
@@ -96,6 +97,8 @@ def answer(flag: str, defined: dict[str, dataclasses.Field]) -> tuple[str, str]:
     f = defined.get(flag)
     if f is not None and f.metadata.get("sglang"):
         return "accepted, ignored", "tunes SGLang only; noted once at start-up as not applying to the built-in engine"
+    if f is not None and f.metadata.get("ignored"):
+        return "accepted, ignored", f"{f.metadata['ignored']}; noted once at start-up"
     if f is not None:
         canonical = "--" + f.name.replace("_", "-")
         return "accepted", "" if canonical == flag else f"alias of {canonical}"

@@ -183,7 +183,8 @@ def test_builtin_math_reward_fn():
 
 
 def test_registry_errors(tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match=r"--rm-type: unknown reward 'x' \(dapo, deepscaler, math\)"):
+    with pytest.raises(ValueError, match=r"--rm-type: unknown reward 'x' \(dapo, deepscaler, f1, math, boxed_<one of them>, random, "
+                                         r"deterministic_random\)"):
         get_reward_fn("x", None)
     with pytest.raises(ValueError, match="--rm-type: unknown reward 'gemma_math'"):
         score("gemma_math", "a", "b")

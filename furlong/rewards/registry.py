@@ -3,7 +3,9 @@
 Built-in rewards score text: `fn(response, label) -> float`, picked by `--rm-type`
 from SCORERS: `math` (furlong's checker, 1/0; math_reward), `deepscaler`
 (boxed answer after `</think>`, 1/0; deepscaler) and `dapo` (DAPO's `Answer:`
-line, 1/-1; dapo), the last two with the answer rules of miles.
+line, 1/-1; dapo), the last two with the answer rules of miles, and miles' `f1`; a `boxed_`
+prefix scores the last \\boxed{} content instead (miles_rules.py). `random` and
+`deterministic_random` score samples, not text (miles_rules.py; `random` is seeded by --seed).
 `--custom-rm-path pkg.module.function` names a plain or `async def` function
 taking ONE positional argument, the `furlong.types.Sample` (use
 `sample.response_text`, `sample.prompt.label`, `sample.prompt.raw`, ...), and
@@ -25,6 +27,7 @@ from typing import Any, Awaitable, Callable, Mapping
 from furlong.rewards.dapo import dapo_score
 from furlong.rewards.deepscaler import deepscaler_score
 from furlong.rewards.math_reward import math_score
+from furlong.rewards.miles_rules import SeededCoin, boxed, deterministic_random_reward, f1_score
 from furlong.types import Sample
 from furlong.user_code import check_one_argument, load_function
 
@@ -33,17 +36,24 @@ SCORERS: Mapping[str, Callable[[str, str], float]] = MappingProxyType({
     "math": math_score,
     "deepscaler": deepscaler_score,
     "dapo": dapo_score,
+    "f1": f1_score,
 })
+SAMPLE_REWARDS = ("random", "deterministic_random")   # score the sample, not its text (miles_rules.py)
 
 RewardFn = Callable[[Sample], "float | Awaitable[float]"]
 
 
 def get_scorer(rm_type: str) -> Callable[[str, str], float]:
-    """The built-in text scorer called `rm_type`; ValueError naming --rm-type if unknown."""
+    """The built-in text scorer called `rm_type` (a `boxed_` prefix: on the last \\boxed{} content);
+    ValueError naming --rm-type if unknown."""
+    if isinstance(rm_type, str) and rm_type.startswith("boxed_") and rm_type[len("boxed_"):] in SCORERS:
+        return boxed(SCORERS[rm_type[len("boxed_"):]])
     try:
         return SCORERS[rm_type]
     except (KeyError, TypeError):
-        raise ValueError(f"--rm-type: unknown reward {rm_type!r} ({', '.join(sorted(SCORERS))})") from None
+        extra = f"; {rm_type} scores samples, not text" if rm_type in SAMPLE_REWARDS else ""
+        raise ValueError(f"--rm-type: unknown reward {rm_type!r} ({', '.join(sorted(SCORERS))}, boxed_<one of "
+                         f"them>, {', '.join(SAMPLE_REWARDS)}){extra}") from None
 
 
 def score(rm_type: str, response: str, label: str) -> float:
@@ -68,13 +78,18 @@ def load_custom(path: str) -> RewardFn:
     return fn
 
 
-def get_reward_fn(rm_type: str | None, custom_rm_path: str | None) -> RewardFn:
-    """The per-sample reward: the custom function if given, else the built-in `rm_type`."""
+def get_reward_fn(rm_type: str | None, custom_rm_path: str | None, seed: int = 0, rank: int = 0) -> RewardFn:
+    """The per-sample reward: the custom function if given, else the built-in `rm_type`; `seed` (--seed)
+    and `rank` seed --rm-type random."""
     if custom_rm_path:
         return load_custom(custom_rm_path)
     if rm_type is None:
         raise ValueError("--rm-type: no reward chosen; pass --rm-type "
                          f"({', '.join(sorted(SCORERS))}) or --custom-rm-path module.function")
+    if rm_type == "random":
+        return SeededCoin(seed, rank)
+    if rm_type == "deterministic_random":
+        return deterministic_random_reward
     return _builtin(rm_type)
 
 

@@ -162,7 +162,14 @@ def to_group(prompt: Prompt, group_id: int, completions: list[Completion]) -> Gr
 
 
 def reward_groups(groups: list[Group], reward_fn: Callable[[Sample], Any]) -> None:
-    """Rewards of the samples that have none yet (a custom generate function may have set some)."""
+    """Rewards of the samples that have none yet (a custom generate function may have set some); a
+    --group-rm reward (rewards/group_reward.py) takes each group's whole list."""
+    if getattr(reward_fn, "per_group", False):
+        for g in groups:
+            todo = [s for s in g.samples if s.reward is None]
+            for s, r in zip(todo, reward_fn.reward_group(todo) if todo else []):
+                s.reward = r
+        return
     samples = [s for g in groups for s in g.samples if s.reward is None]
     for s, r in zip(samples, compute_rewards(reward_fn, samples)):
         s.reward = r

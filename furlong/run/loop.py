@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -22,7 +23,8 @@ from furlong.checkpoint.run import save_run
 from furlong.config import Config
 from furlong.launch.failure import Position
 from furlong.launch.signals import StopRequest
-from furlong.run.rollout_step import eval_step
+from furlong.run.debug_data import sample_row, write_rows
+from furlong.run.evals import run_evals
 from furlong.run.metrics import Progress, progress_line, write_samples
 from furlong.run.setup import RunParts, build_run
 from furlong.run.user_functions import UserFunctions
@@ -65,20 +67,6 @@ class CiFailure(RuntimeError):
     pass
 
 
-def _run_evals(parts: RunParts, rollout_id: int) -> dict[str, float]:
-    cfg, out = parts.config.eval, {}
-    for name, prompts in parts.eval_sets:
-        t = time.perf_counter()
-        n = cfg.n_samples_per_prompt
-        parts.logger.line(f"[eval {name}] generating {len(prompts)} prompts x {n} samples ...")
-        res = eval_step(parts, name, prompts, cfg)   # frees the KV cache, as after a rollout
-        parts.logger.line(f"[eval {name}] {res.score:.3f} ({res.num_samples} samples, {time.perf_counter() - t:.1f}s)")
-        out[f"eval/{name}"] = res.score
-        if parts.ctx.rank == 0:
-            write_samples(parts.output_dir, name, rollout_id, res.samples)
-    return out
-
-
 def _save(parts: RunParts, rollout_id: int) -> None:
     t = time.perf_counter()
     path = save_run(parts.config.checkpoint, parts.actor, parts.critic, parts.dataset, rollout_id)
@@ -96,7 +84,7 @@ def run_rl(cfg: Config, ctx: DistContext, position: Position | None = None, user
 
     if parts.eval_sets and config.eval.before_train and parts.start_rollout == 0:
         t = time.perf_counter()
-        m = _run_evals(parts, -1)
+        m = run_evals(parts, -1)
         ci.observe(m)
         logger.log(0, {**m, "perf/eval_time": time.perf_counter() - t}, kind="eval")
         logger.line("[eval before training] " + " | ".join(f"{k} {v:.3f}" for k, v in m.items()))
@@ -149,6 +137,9 @@ def _rollouts(parts: RunParts, ci: CiChecker, progress: Progress, stop: StopRequ
             ci.check_first_step_kl(step.train.ppo_kl)
         if config.save_debug_rollout_data and ctx.rank == 0:
             write_samples(parts.output_dir, "train", rollout_id, step.batch.samples, prefix="rollout")
+        if config.debug.save_rollout_data is not None and ctx.rank == 0:   # --dump-details
+            write_rows(Path(config.debug.save_rollout_data.format(rollout_id=rollout_id)),
+                       [sample_row(s) for s in step.batch.samples])
         if eval_every is not None and parts.eval_sets and (rollout_id + 1) % eval_every == 0:
             m = clock.run("eval", _run_evals, parts, rollout_id)
             ci.observe(m)
@@ -178,10 +169,10 @@ def _rollouts(parts: RunParts, ci: CiChecker, progress: Progress, stop: StopRequ
 
 def run_eval_only(cfg: Config, ctx: DistContext) -> int:
     """`furlong eval`: the eval sets of --eval-prompt-data on --hf-checkpoint."""
-    if not cfg.eval.eval_prompt_data:
-        raise ValueError("--eval-prompt-data: required for furlong eval")
+    if not cfg.eval.eval_prompt_data and cfg.eval_set.eval_config is None:
+        raise ValueError("--eval-prompt-data: required for furlong eval (or --eval-config)")
     parts = build_run(cfg, ctx, with_actor=False)
-    m = _run_evals(parts, -1)
+    m = run_evals(parts, -1)
     parts.logger.log(0, m, kind="eval")
     if ctx.rank == 0:
         print(json.dumps(m))

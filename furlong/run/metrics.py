@@ -55,7 +55,10 @@ class MetricsLogger:
     """Writes one JSON line per logged step; mirrors to TensorBoard / wandb when enabled."""
 
     def __init__(self, output_dir: str | os.PathLike | None, enabled: bool = True, use_tensorboard: bool = False,
-                 wandb_settings: dict[str, Any] | None = None, stream: TextIO | None = None):
+                 wandb_settings: dict[str, Any] | None = None, stream: TextIO | None = None,
+                 wandb_login: dict[str, Any] | None = None, tensorboard_dir: Path | None = None):
+        """wandb_settings: wandb.init's kwargs (run/tracking.py), after wandb.login(**wandb_login) when
+        given; tensorboard_dir: where the events go (default <output_dir>/tensorboard)."""
         self.enabled = enabled and output_dir is not None
         self.stream = stream if stream is not None else sys.stdout
         self._file = None
@@ -68,12 +71,14 @@ class MetricsLogger:
         self._file = open(out / "metrics.jsonl", "a", buffering=1)
         if use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self._tb = SummaryWriter(str(out / "tensorboard"))
+            self._tb = SummaryWriter(str(tensorboard_dir or out / "tensorboard"))
         if wandb_settings is not None:
             try:
                 import wandb
             except ImportError as e:
                 raise ValueError("--use-wandb: the wandb package is not installed (pip install wandb)") from e
+            if wandb_login is not None:
+                wandb.login(**wandb_login)
             self._wandb = wandb.init(**wandb_settings)
 
     def log(self, step: int, metrics: dict[str, float], kind: str = "rollout") -> None:
@@ -163,13 +168,10 @@ def progress_line(rollout_id: int, num_rollout: int, metrics: dict[str, float], 
 
 
 def write_samples(output_dir: Path, name: str, rollout_id: int, samples: list[Sample], prefix: str = "eval") -> None:
-    """samples/{prefix}_{name}_{rollout_id + 1}.jsonl: eval responses, or a rollout's (--save-debug-rollout-data)."""
-    d = output_dir / "samples"
-    d.mkdir(parents=True, exist_ok=True)
-    path = d / f"{prefix}_{name}_{rollout_id + 1}.jsonl"
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w") as f:
-        for s in samples:
-            f.write(json.dumps({"prompt": s.prompt.text, "response": s.response_text, "label": s.prompt.label,
-                                "reward": s.reward, "finish_reason": s.finish_reason}) + "\n")
-    os.replace(tmp, path)
+    """samples/{prefix}_{name}_{rollout_id + 1}.jsonl: eval responses, or a rollout's (--save-debug-rollout-data,
+    with the token ids and log-probs --load-debug-rollout-data replays: run/debug_data.py)."""
+    from furlong.run.debug_data import sample_row, write_rows
+    rows = [sample_row(s) if prefix == "rollout" else
+            {"prompt": s.prompt.text, "response": s.response_text, "label": s.prompt.label, "reward": s.reward,
+             "finish_reason": s.finish_reason} for s in samples]
+    write_rows(output_dir / "samples" / f"{prefix}_{name}_{rollout_id + 1}.jsonl", rows)

@@ -7,6 +7,7 @@ values were checked before that by config_checks.validate. Every failure is a Va
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import time
@@ -25,6 +26,7 @@ if TYPE_CHECKING:   # heavy imports (transformers, the data readers) only where 
 
     from furlong.data import PromptDataset
     from furlong.models.hf_config import ModelArgs
+    from furlong.rollout.eval import EvalSet
     from furlong.rollout.filters import GroupFilter
     from furlong.run.user_functions import RolloutFunctions, UserFunctions
 
@@ -112,7 +114,7 @@ class CheckedInputs:
     tokenizer: PreTrainedTokenizerBase
     max_response_len: int                      # longest response of rollout or eval: the engine's budget
     dataset: PromptDataset | None              # the training prompts (None for eval only)
-    eval_sets: list[tuple[str, list[Prompt]]]  # (name, prompts) per --eval-prompt-data set
+    eval_sets: list[EvalSet]                   # --eval-config / --eval-prompt-data sets, with prompts and reward
     reward_fn: Callable[[Sample], float]       # bounded by --reward-timeout
     filter_fn: GroupFilter | None              # --dynamic-sampling-filter-path
     resume: CheckpointChoice | None            # the --load iteration to restore
@@ -122,18 +124,19 @@ class CheckedInputs:
     functions: RolloutFunctions | None = None  # custom generate / rollout functions (None: none given)
 
     def prompts(self) -> list[Prompt]:
-        return [p for _, ps in self.eval_sets for p in ps] + (self.dataset.all() if self.dataset is not None else [])
+        return [p for es in self.eval_sets for p in es.prompts] + (self.dataset.all() if self.dataset is not None else [])
 
 
 def check_inputs(cfg: Config, with_actor: bool, user: UserFunctions | None = None) -> CheckedInputs:
     """Step 1 of build_run (module docstring); `with_actor` False for `furlong eval`; `user`: the
     Python API's callables (run/user_functions.py)."""
     from furlong.config_checks import chat_template_kwargs
-    from furlong.rewards.keyed import KeyedReward
+    from furlong.eval_set_map import eval_set_configs
+    from furlong.rewards.run_rewards import eval_reward_key, make_reward
     from furlong.run.user_functions import load_user_functions
     from furlong.data import PromptDataset
     from furlong.lora_flags import check_checkpoint_model
-    from furlong.rewards.registry import TimedReward, get_reward_fn
+    from furlong.rollout.eval import EvalSet
     from furlong.rollout.filters import load_filter
 
     ckpt, args, tokenizer = check_hf_checkpoint(cfg.data.hf_checkpoint)
@@ -141,10 +144,8 @@ def check_inputs(cfg: Config, with_actor: bool, user: UserFunctions | None = Non
     if bad_ids:
         raise ValueError(f"--rollout-stop-token-ids: {bad_ids[0]} is not a token id of the model "
                          f"(vocab_size {args.vocab_size})")
-    from furlong.config_map import eval_max_response_len
-    max_resp = cfg.rollout.rollout_max_response_len
-    if cfg.eval_sets():
-        max_resp = max(max_resp, eval_max_response_len(cfg))
+    set_configs = eval_set_configs(cfg, rollout_seed(cfg))
+    max_resp = max([cfg.rollout.rollout_max_response_len] + [c.sampling.max_new_tokens for c in set_configs])
     max_ctx = args.max_position_embeddings - max_resp
     if max_ctx <= 0:
         raise ValueError(f"--rollout-max-response-len: {max_resp} leaves no room for a prompt in the model's "
@@ -163,17 +164,20 @@ def check_inputs(cfg: Config, with_actor: bool, user: UserFunctions | None = Non
     if with_actor:
         dataset = PromptDataset(cfg.data.prompt_data, input_key=cfg.data.input_key, label_key=cfg.data.label_key,
                                 shuffle=cfg.data.rollout_shuffle, seed=rollout_seed(cfg), **common)
+    user_reward = user.reward if user is not None else None
     eval_sets = []
-    for name, path in cfg.eval_sets():
-        ds = PromptDataset(path, input_key=cfg.eval.eval_input_key or cfg.data.input_key,
-                           label_key=cfg.eval.eval_label_key or cfg.data.label_key, shuffle=False,
-                           seed=0, **common)
-        eval_sets.append((name, ds.all()))
-    reward_fn = (user.reward if user is not None and user.reward is not None
-                 else get_reward_fn(cfg.reward.rm_type, cfg.reward.custom_rm_path))
-    if cfg.reward.reward_key is not None:
-        reward_fn = KeyedReward(reward_fn, cfg.reward.reward_key)
-    reward_fn = TimedReward(reward_fn, cfg.reward.reward_timeout)
+    for sc in set_configs:   # each set's own keys, prompt limit and reward (eval_set_map.py)
+        try:
+            ds = PromptDataset(sc.path, input_key=sc.input_key, label_key=sc.label_key, shuffle=False, seed=0,
+                               **{**common, "max_prompt_len": sc.max_prompt_len, "tool_key": sc.tool_key,
+                                  "metadata_key": sc.metadata_key})
+        except ValueError as e:   # the limit an eval set's prompts were held to is --eval-max-prompt-len's
+            if cfg.eval_set.eval_max_prompt_len is None:
+                raise
+            raise type(e)(str(e).replace("--rollout-max-prompt-len", "--eval-max-prompt-len")) from None
+        prompts = [dataclasses.replace(p, metadata={**p.metadata, **sc.metadata_overrides}) for p in ds.all()]
+        eval_sets.append(EvalSet(sc, prompts, make_reward(cfg, user_reward, eval_reward_key(cfg), sc.rm_type)))
+    reward_fn = make_reward(cfg, user_reward, cfg.reward.reward_key)
     functions = load_user_functions(cfg, user)
     filter_fn = load_filter(cfg.rollout.dynamic_sampling_filter_path)
     resume = None

@@ -3,6 +3,7 @@
   --rollout-function-path          the user's function makes the whole batch (rollout/custom_rollout.py)
   --custom-generate-function-path  the streaming rollout with a coroutine per sample (rollout/async_rollout.py)
   neither                          the streaming rollout over engine requests (rollout/rollout.py)
+  --load-debug-rollout-data        none of them: the saved rollout is read back (run/debug_data.py)
 
 Eval takes the custom generate function too when there is one (miles does), so a tool-using policy is
 scored with its tools. Every path frees the engine's KV cache afterwards (colocated: the trainer needs it).
@@ -16,9 +17,9 @@ from furlong.engine.async_front import AsyncEngine
 from furlong.rollout.async_rollout import generate_eval_custom, generate_rollout_custom
 from furlong.rollout.custom_generate import GenerateArgs
 from furlong.rollout.custom_rollout import run_custom_rollout
-from furlong.rollout.eval import EvalConfig, EvalResult, run_eval
+from furlong.rollout.eval import EvalResult, EvalSet, run_eval
 from furlong.rollout.rollout import RolloutBatch, RolloutConfig, generate_rollout
-from furlong.types import Prompt
+from furlong.run.debug_data import replay_batch
 
 if TYPE_CHECKING:
     from furlong.run.setup import RunParts
@@ -33,6 +34,8 @@ def _front(parts: RunParts, evaluation: bool) -> tuple[AsyncEngine, GenerateArgs
 
 
 def rollout_step(parts: RunParts, cfg: RolloutConfig, rollout_id: int) -> RolloutBatch:
+    if parts.config.debug.load_rollout_data is not None:   # --load-debug-rollout-data: no generation
+        return replay_batch(parts.config.debug.load_rollout_data, rollout_id)
     fns = parts.functions
     try:
         if fns is not None and fns.rollout is not None:
@@ -50,19 +53,21 @@ def rollout_step(parts: RunParts, cfg: RolloutConfig, rollout_id: int) -> Rollou
         parts.engine.release()
 
 
-def eval_step(parts: RunParts, name: str, prompts: list[Prompt], cfg: EvalConfig) -> EvalResult:
-    fns, n = parts.functions, cfg.n_samples_per_prompt
+def eval_step(parts: RunParts, es: EvalSet) -> EvalResult:
+    fns, c = parts.functions, es.config
+    n = c.n_samples_per_prompt
     try:
         if fns is None or fns.generate is None:
-            return run_eval(name, prompts, parts.engine, parts.reward_fn, cfg.sampling, n, parts.ctx)
-        if not prompts:
-            raise ValueError(f"--eval-prompt-data: eval set {name!r} has no prompts")
+            return run_eval(es.name, es.prompts, parts.engine, es.reward_fn, c.sampling, n, parts.ctx,
+                            c.max_context_len)
+        if not es.prompts:
+            raise ValueError(f"--eval-prompt-data: eval set {es.name!r} has no prompts")
         front, args = _front(parts, evaluation=True)
-        seed = cfg.sampling.seed if cfg.sampling.seed is not None else random.getrandbits(63)
-        groups = generate_eval_custom(prompts, front, args, fns.generate, parts.reward_fn, cfg.sampling, n, seed,
+        seed = c.sampling.seed if c.sampling.seed is not None else random.getrandbits(63)
+        groups = generate_eval_custom(es.prompts, front, args, fns.generate, es.reward_fn, c.sampling, n, seed,
                                       parts.ctx)
         samples = [s for g in groups for s in g.samples]
         score = sum(s.reward for s in samples) / max(len(samples), 1)
-        return EvalResult(name=name, score=score, num_samples=len(samples), samples=samples)
+        return EvalResult(name=es.name, score=score, num_samples=len(samples), samples=samples)
     finally:
         parts.engine.release()

@@ -17,12 +17,13 @@ import torch
 
 from furlong.config import Config
 from furlong.run.metrics import MetricsLogger
+from furlong.run.tracking import tensorboard_dir, wandb_settings
 from furlong.run.identity import prepare_run_dirs, run_record
 from furlong.run.preflight import check_inputs
 from furlong.seeding import seed_everything
 from furlong.launch.distributed import barrier
 from furlong.trainer.fsdp import compute_dtype
-from furlong.types import DistContext, Prompt, Sample
+from furlong.types import DistContext, Sample
 
 if TYPE_CHECKING:   # the engine and trainer modules are imported when a run builds them, not at import
     from transformers import PreTrainedTokenizerBase
@@ -30,6 +31,7 @@ if TYPE_CHECKING:   # the engine and trainer modules are imported when a run bui
     from furlong.config_map import RunConfig
     from furlong.data import PromptDataset
     from furlong.engine import Engine
+    from furlong.rollout.eval import EvalSet
     from furlong.rollout.filters import GroupFilter
     from furlong.run.user_functions import RolloutFunctions, UserFunctions
     from furlong.trainer.actor import Actor
@@ -59,7 +61,7 @@ class RunParts:
     output_dir: Path
     logger: MetricsLogger
     dataset: PromptDataset | None              # training prompts (None for `furlong eval`)
-    eval_sets: list[tuple[str, list[Prompt]]]  # (name, prompts) per eval set
+    eval_sets: list[EvalSet]                   # the eval sets with their settings and rewards (rollout/eval.py)
     engine: Engine                             # the rollout engine, with its own model copy
     reward_fn: Callable[[Sample], float]
     filter_fn: GroupFilter | None              # --dynamic-sampling-filter-path
@@ -132,15 +134,13 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctio
         if fresh_restart and (out / "metrics.jsonl").exists():
             (out / "metrics.jsonl").unlink()
         (out / "config.json").write_text(json.dumps(run_record(cfg, inputs.run_dirs.run_id), indent=1, default=str))
-    wandb = None
+    wandb = login = None
     if cfg.log.use_wandb and logger_enabled:
         if cfg.log.wandb_key:
             os.environ["WANDB_API_KEY"] = cfg.log.wandb_key
-        name = out.name if cfg.log.disable_wandb_random_suffix else f"{out.name}-{os.urandom(3).hex()}"
-        wandb = {"project": cfg.log.wandb_project, "group": cfg.log.wandb_group, "name": name,
-                 "config": cfg.to_dict()}
+        wandb, login = wandb_settings(cfg, out)   # run/tracking.py
     logger = MetricsLogger(out, enabled=logger_enabled, use_tensorboard=cfg.log.use_tensorboard,
-                           wandb_settings=wandb)
+                           wandb_settings=wandb, wandb_login=login, tensorboard_dir=tensorboard_dir(cfg, out))
     logger.line(f"run directory: {out}")
     if inputs.filter_fn is not None and dataset is not None:   # the bound of rollout.py, said up front
         from furlong.rollout.rollout import give_up_rule
@@ -158,6 +158,7 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctio
         dropped = logger.cut_back(state.rollout_id)
         logger.line(f"resumed from iteration {resume.iteration} ({state.path}; rollout {state.rollout_id + 1} "
                     f"done); {dropped} metrics line(s) after it dropped from {out / 'metrics.jsonl'}")
-    return RunParts(config=config, ctx=ctx, output_dir=out, logger=logger, dataset=dataset, eval_sets=inputs.eval_sets,
+    eval_sets = [] if config.debug.train_only else inputs.eval_sets   # replayed rollouts: no eval (miles)
+    return RunParts(config=config, ctx=ctx, output_dir=out, logger=logger, dataset=dataset, eval_sets=eval_sets,
                     engine=engine, reward_fn=inputs.reward_fn, filter_fn=inputs.filter_fn, actor=actor,
                     start_rollout=start_rollout, num_params=num_params, critic=critic, functions=inputs.functions)

@@ -30,9 +30,12 @@ import torch
 
 from furlong.algorithms.advantages import AdvantageConfig, AdvantageInputs, compute_advantages
 from furlong.algorithms.losses import kl_penalty
+from furlong.algorithms.mismatch import mismatch_metrics
 from furlong.algorithms.shaping import ShapingConfig, shaped_rewards
 from furlong.launch.failure import Position
 from furlong.rollout.rollout import RolloutBatch
+from furlong.run.debug_data import save_train_data
+from furlong.run.reward_metrics import rollout_reward_logs
 from furlong.run.rollout_step import rollout_step
 from furlong.trainer.metrics import TrainMetrics
 from furlong.trainer.trainer_config import BatchingConfig
@@ -137,6 +140,16 @@ def ref_log_probs(samples: list[TrainSample], actor: Actor, steps: BatchingConfi
             s.ref_log_probs = lp
 
 
+def mismatch_step(samples: list[TrainSample], actor: Actor, steps: BatchingConfig, source: OldSource) -> dict[str, float]:
+    """--get-mismatch-metrics (algorithms/mismatch.py) as train/*: the trainer's log-probs are the old ones
+    when a trainer pass made them, else one more no-grad pass (engine old log-probs, as miles does)."""
+    trainer = ([s.old_log_probs for s in samples] if source == "forward"
+               else actor.compute_log_probs(samples, steps, "old"))
+    masks = [torch.ones(s.num_response_tokens) if s.loss_mask is None else s.loss_mask for s in samples]
+    m = mismatch_metrics(trainer, [s.rollout_log_probs for s in samples], masks, steps.calculate_per_token_loss)
+    return {f"train/{k}": v for k, v in m.items()}
+
+
 def values(samples: list[TrainSample], critic: Critic, steps: BatchingConfig) -> None:
     """Set each sample's values [R] under the current critic (ppo)."""
     for s, v in zip(samples, critic.compute_values(samples, steps)):
@@ -174,18 +187,26 @@ def rl_step(parts: RunParts, rollout_id: int, clock: StageClock) -> StepOutput:
     cfg, actor, critic = parts.config, parts.actor, parts.critic
     with clock.where("rollout"):
         batch = rollout_step(parts, cfg.rollout, rollout_id)         # timed by its own clock: perf/rollout_time
+    metrics = {**batch.metrics.as_log(),   # --log-passrate, --log-reward-category (run/reward_metrics.py)
+               **rollout_reward_logs(batch.samples, cfg.rollout.n_samples_per_prompt, cfg.reward_logs)}
+    if cfg.debug.rollout_only:   # --debug-rollout-only: the step ends with its rollout (run/debug_data.py)
+        return StepOutput(batch=batch, samples=[], metrics=metrics, train=None)
     samples, rewards = clock.run("shaping", train_samples, batch.groups, cfg.shaping)
     clock.run("old_log_probs", old_log_probs, samples, actor, cfg.steps, cfg.passes.old)
+    if cfg.mismatch_metrics:
+        metrics.update(clock.run("mismatch_metrics", mismatch_step, samples, actor, cfg.steps, cfg.passes.old))
     clock.run("ref_log_probs", ref_log_probs, samples, actor, cfg.steps, cfg.passes.ref)
     if critic is not None:
         clock.run("values", values, samples, critic, cfg.steps)
     clock.run("advantages", advantages, samples, rewards, cfg.advantages)
-    metrics = batch.metrics.as_log()
+    if cfg.debug.save_train_data is not None:
+        save_train_data(cfg.debug.save_train_data, rollout_id, parts.ctx.rank, samples)
     if critic is not None:
         metrics.update(clock.run("critic_train", critic.train_step, samples, cfg.steps).to_log())
     train = None
     if rollout_id >= cfg.num_critic_only_steps:   # --num-critic-only-steps: the actor stays frozen until then
         train = clock.run("actor_train", actor.train_step, samples, cfg.steps)
-        clock.run("update_weights", sync_weights, actor.model, parts.engine.model, cfg.update_weight_buffer_size)
+        if not cfg.debug.train_only:   # replayed rollouts: the engine generates nothing (miles skips it too)
+            clock.run("update_weights", sync_weights, actor.model, parts.engine.model, cfg.update_weight_buffer_size)
         metrics.update(train.to_log())
     return StepOutput(batch=batch, samples=samples, metrics=metrics, train=train)

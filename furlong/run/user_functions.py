@@ -28,6 +28,8 @@ class RolloutFunctions:
     generate: GenerateSpec | None          # custom generate (None: the engine's single-turn requests)
     rollout: Callable[..., Any] | None     # replaces the rollout step (None: the streaming rollout)
     rollout_name: str                      # how errors name it
+    eval: Callable[..., Any] | None = None # --eval-function-path: replaces eval generation (run/evals.py)
+    eval_name: str = ""
 
 
 def _name(fn: Callable[..., Any]) -> str:
@@ -49,4 +51,6 @@ def load_user_functions(cfg: Config, given: UserFunctions | None) -> RolloutFunc
                                 if r.rollout_function_path else None)
     rollout_name = "" if rollout is None else (
         r.rollout_function_path if given.rollout is None else _name(rollout))
-    return RolloutFunctions(generate=gen, rollout=rollout, rollout_name=rollout_name)
+    path = cfg.eval_set.eval_function_path
+    return RolloutFunctions(generate=gen, rollout=rollout, rollout_name=rollout_name,
+                            eval=load_function(path, "--eval-function-path") if path else None, eval_name=path or "")
