@@ -81,6 +81,10 @@ class Scheduler:
             raise ValueError(f"request {request.request_id}: n={request.n} samples exceed --rollout-max-num-seqs "
                              f"{self.max_num_seqs}")
         need = len(request.prompt_ids) + max(request.sample_max_new_tokens or [request.params.max_new_tokens])
+        if request.resume_ids and (request.n != 1 or len(request.resume_log_probs) != len(request.resume_ids)
+                                   or len(request.resume_ids) >= need - len(request.prompt_ids)):
+            raise ValueError(f"request {request.request_id}: resume_ids need n = 1, a log-prob each and fewer "
+                             f"tokens than max_new_tokens")
         if need > self.max_model_len:
             raise ValueError(f"request {request.request_id}: prompt {len(request.prompt_ids)} + max_new_tokens "
                              f"{request.params.max_new_tokens} exceeds the engine's max length {self.max_model_len}")
@@ -98,7 +102,7 @@ class Scheduler:
     def _unit(self, item: Request | Sequence) -> tuple[int, int]:
         """(samples, prefill tokens) of a waiting item."""
         if isinstance(item, Request):
-            return item.n, len(item.prompt_ids)
+            return item.n, item.num_tokens
         return 1, item.num_tokens - item.num_cached
 
     def _pages_needed(self, item: Request | Sequence) -> int:
@@ -129,8 +133,8 @@ class Scheduler:
             self.waiting.popleft()
             if isinstance(item, Request):
                 seqs = new_sequences(item)
-                self.blocks.grow(seqs[0].block_table, len(item.prompt_ids))
-                out.append(PrefillItem(sequences=seqs, token_ids=list(item.prompt_ids), page_copies=[]))
+                self.blocks.grow(seqs[0].block_table, item.num_tokens)
+                out.append(PrefillItem(sequences=seqs, token_ids=list(seqs[0].token_ids), page_copies=[]))
             else:
                 self.blocks.grow(item.block_table, item.num_tokens)
                 out.append(PrefillItem(sequences=[item], token_ids=item.token_ids[item.num_cached:], page_copies=[],
