@@ -58,7 +58,7 @@ def test_rlstep_runs_both_modes_side_by_side(tmp_path, capsys):
 
 def test_rlstep_pool_of_the_long_workload():
     w = load_workload(LONG_WORKLOAD)
-    assert (w.rlstep_num_steps, w.rlstep_over_sampling, w.rlstep_zero_std_every) == (3, 64, 4)
+    assert (w.rlstep_num_steps, w.rlstep_over_sampling, w.rlstep_zero_std_every) == (2, 64, 4)
     b = SimpleNamespace(w=w, seed=0, args=SimpleNamespace(vocab_size=w.model["vocab_size"]))
     prompts, forced = prompt_pool(b)
     num = len(w.prompt_lens)
