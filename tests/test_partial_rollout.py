@@ -230,3 +230,38 @@ def test_paused_groups_survive_checkpoint_and_resume(tmp_path, capsys):
     for k in (3, 4):       # the same samples trained, in the same order
         name = f"samples/rollout_train_{k}.jsonl"
         assert (tmp_path / "fresh" / name).read_text() == (tmp_path / "resumed" / name).read_text()
+
+
+def _dp_worker(rank: int, world: int, port: int, ckpt: str, results) -> None:
+    import torch.distributed as torch_dist
+    from furlong.types import DistContext
+    torch.set_num_threads(1)
+    torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        ranks = DistContext(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+        eng = make_engine((load_pretrained(ckpt, dtype=torch.float32, device="cpu"), AutoTokenizer.from_pretrained(ckpt)))
+        data, paused, out = Draws(PROMPTS), PausedGroups(), []
+        for r in range(3):
+            b = generate_rollout(data, eng, lambda s: float(s.index), None, CFG, ranks, r, report=None, paused=paused)
+            eng.release()
+            out.append(([(s.prompt.row, s.index, s.response_ids) for s in b.samples], b.metrics.num_partial_resumed,
+                        json.dumps(paused.state_dict())))
+        results[rank] = out
+    finally:
+        torch_dist.destroy_process_group()
+
+
+def test_two_ranks_hold_the_same_batches_and_paused_groups(tmp_path):
+    import socket
+    import torch.multiprocessing as mp
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", family="qwen3", vocab_size=128, hidden=64, layers=2, heads=4,
+                                 kv_heads=2, seed=0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_dp_worker, args=(2, port, str(ckpt), results), nprocs=2, join=True)
+        results = dict(results)
+    assert results[0] == results[1]
+    assert any(resumed for _, resumed, _ in results[0]) and json.loads(results[0][0][2])["groups"]

@@ -39,7 +39,6 @@ def to_group(prompt: Prompt, group_id: int, completions: list[Completion]) -> Gr
 @dataclass
 class FinishedGroup:
     group: Group
-    seed: int                       # its request seed
     num_new_tokens: int             # response tokens generated in this rollout
     num_offpolicy_tokens: int = 0   # response tokens it had when resumed (earlier rollouts' weights)
 
@@ -119,8 +118,7 @@ class InFlight:
             self.requests.pop(rid, None)
         samples = list(g.done)
         old = sum(g.num_prior(j) for j in range(len(samples)))
-        return FinishedGroup(Group(g.group_id, samples), g.seed,
-                             sum(len(s.response_ids) for s in samples) - old, old)
+        return FinishedGroup(Group(g.group_id, samples), sum(len(s.response_ids) for s in samples) - old, old)
 
     def collect(self, done: list[Completion]) -> list[FinishedGroup]:
         """The groups whose last sample is among `done` (plus resumed groups that had nothing to generate)."""

@@ -195,7 +195,8 @@ def generate_rollout(dataset: PromptDataset, engine: Engine, reward_fn: Callable
     metrics = summarize(kept, dict(dropped), in_flight + num_late if paused is None else num_late, num_finished,
                         num_tokens, time.perf_counter() - started, reward_seconds, stats)
     if paused is not None:
-        now_paused = gather_lists(mine_paused, ranks)     # rank order: every rank holds the same buffer
+        # by group id: every rank holds the same buffer, in an order that does not depend on the rank count
+        now_paused = sorted(gather_lists(mine_paused, ranks), key=lambda pg: pg.group.group_id)
         paused.put(now_paused)
         metrics.num_partial_resumed, metrics.num_partial_paused = num_resumed, sum(pg.num_samples for pg in now_paused)
         metrics.partial_offpolicy_token_frac = num_offpolicy / max(sum(len(s.response_ids) for g in kept
