@@ -109,7 +109,8 @@ def _config_groups() -> list[tuple[str, type]]:
 # The flags each command reads: config groups, less the fields of them it never reads. A flag outside
 # its command's set is refused ("a flag of furlong train"), so `eval --lr` cannot be silently ignored.
 _EVAL_ROLLOUT = {"num_rollout", "rollout_batch_size", "n_samples_per_prompt", "over_sampling_batch_size",
-                 "dynamic_sampling_filter_path", "rollout_num_gpus", "rollout_function_path"}
+                 "dynamic_sampling_filter_path", "rollout_num_gpus", "rollout_function_path", "partial_rollout",
+                 "mask_offpolicy_in_partial_rollout"}
 COMMAND_FLAGS: dict[str, dict[str, set[str]]] = {
     "train": {g: set() for g in ("data", "reward", "rollout", "eval", "algo", "optim", "batch", "parallel", "ckpt",
                                  "log", "lora", "eval_set", "reward_mode", "metrics", "tracking", "debug")},

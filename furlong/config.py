@@ -64,6 +64,10 @@ class RolloutFlags:
                                          "| drop the sample's group (counted)")
     rollout_function_path: str | None = flag(None, "fn(args, rollout_id, data_source, evaluation) -> sample groups: "
                                              "replaces the whole rollout step (module path)")
+    partial_rollout: bool = flag(False, "once a rollout has its groups, pause the unfinished ones (tokens and "
+                                 "log-probs kept) and continue them first in the next rollout, with the new weights")
+    mask_offpolicy_in_partial_rollout: bool = flag(False, "--partial-rollout: the tokens a resumed sample made in "
+                                                   "earlier rollouts do not train (loss mask 0)")
     rollout_num_gpus_per_engine: int = flag(1, "GPUs per rollout engine (built-in engine: one per rank)")
     rollout_num_gpus: int | None = flag(None, "GPUs for rollout (the built-in engine is colocated: the actor's)")
     rollout_kv_fraction: float = flag(0.8, "fraction of free GPU memory the engine's KV cache may take",

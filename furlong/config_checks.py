@@ -61,6 +61,11 @@ def validate(cfg: Config, command: str = "train", reward_given: bool = False) ->
     _need(r.custom_generate_timeout > 0, "--custom-generate-timeout", "must be > 0 seconds")
     _need(r.custom_generate_on_error in ("stop", "drop"), "--custom-generate-on-error",
           f"expected stop or drop, got {r.custom_generate_on_error!r}")
+    _need(r.partial_rollout or not r.mask_offpolicy_in_partial_rollout, "--mask-offpolicy-in-partial-rollout",
+          "needs --partial-rollout")
+    _need(not (r.partial_rollout and (r.custom_generate_function_path or r.rollout_function_path)), "--partial-rollout",
+          "not supported with --custom-generate-function-path or --rollout-function-path (a custom generate "
+          "function has no resume contract; miles refuses it there too)")
     _need(r.num_rollout >= 0, "--num-rollout", "must be >= 0")
     _need(r.rollout_batch_size >= 1, "--rollout-batch-size", "must be >= 1")
     _need(r.n_samples_per_prompt >= 1, "--n-samples-per-prompt", "must be >= 1")

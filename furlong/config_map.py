@@ -167,7 +167,8 @@ def rollout_config(cfg: Config) -> RolloutConfig:
     over = r.rollout_batch_size if r.over_sampling_batch_size is None else r.over_sampling_batch_size
     return RolloutConfig(rollout_batch_size=r.rollout_batch_size, n_samples_per_prompt=r.n_samples_per_prompt,
                          over_sampling_batch_size=over, sampling=sampling, seed=rollout_seed(cfg),
-                         max_context_len=r.rollout_max_context_len)
+                         max_context_len=r.rollout_max_context_len, partial_rollout=r.partial_rollout,
+                         mask_offpolicy=r.mask_offpolicy_in_partial_rollout)
 
 
 def generate_config(cfg: Config) -> GenerateConfig:

@@ -157,6 +157,34 @@ class TrlResult:
 
 
 @dataclass
+class RlStepResult:
+    """The rlstep part: K real RL steps without (plain_*) and with (partial_*) --partial-rollout; lists are [K]."""
+    num_steps: int
+    rollout_batch_size: int          # groups kept per step
+    over_sampling_batch_size: int    # groups drawn per submission
+    n_samples_per_prompt: int
+    plain_step_s: list[float]        # rollout .. weight sync, as the loop's perf/step_time less eval and save
+    plain_rollout_s: list[float]
+    plain_train_s: list[float]       # the actor's train step
+    plain_generated_tokens: list[int]   # response tokens generated (aborted ones too)
+    plain_trained_tokens: list[int]     # response tokens of the kept samples
+    plain_aborted_groups: list[int]
+    partial_step_s: list[float]
+    partial_rollout_s: list[float]
+    partial_train_s: list[float]
+    partial_generated_tokens: list[int]
+    partial_trained_tokens: list[int]
+    partial_aborted_groups: list[int]
+    partial_resumed_samples: list[int]   # samples of paused groups continued in the step
+    partial_paused_samples: list[int]    # samples paused at the step's end
+    partial_offpolicy_token_frac: list[float]   # kept response tokens made by an earlier step's weights
+    plain_step_s_after_first: float | None      # mean over steps 2..K (None: K = 1)
+    partial_step_s_after_first: float | None
+    partial_speedup: float | None               # plain / partial, steps 2..K
+    note: str
+
+
+@dataclass
 class PartReport:
     name: str
     status: str = "skipped"          # ok | error | timeout | skipped

@@ -19,6 +19,7 @@ import torch
 from furlong.bench.generation_parts import part_decode, part_eval, part_rollout
 from furlong.bench.measure import PartTimeout, free_memory, time_guard
 from furlong.bench.report import PartReport, format_table, step_summary, write_json
+from furlong.bench.rl_step_part import part_rlstep
 from furlong.bench.state import Bench
 from furlong.bench.train_parts import part_budget, part_hf, part_train
 from furlong.bench.trl_part import part_trl
@@ -29,12 +30,14 @@ from furlong.bench.workload import load_workload, parse_parts
 # trl: 5 TRL steps of ~55 s each (HF generate at 256 rows runs ~2.8k tok/s: 256 x 458 tokens is
 # ~45 s, plus ~8 s of HF fwd+bwd) after furlong's step and its compiles; a guard that fires after
 # the warm-ups still leaves the timed steps done (see trl_part.py).
-PART_GUARD_S = {"train": 150, "budget": 120, "hf": 90, "rollout": 150, "decode": 170, "eval": 150, "trl": 420}
+# rlstep: 2 x num_steps (3) real steps; the seed workload's take ~5 s each, the long one's ~80 s (raise the guard)
+PART_GUARD_S = {"train": 150, "budget": 120, "hf": 90, "rollout": 150, "decode": 170, "eval": 150, "trl": 420,
+                "rlstep": 240}
 
 # The part registry: name -> function of the run state returning that part's result dataclass.
 PARTS: dict[str, Callable[[Bench], Any]] = {
     "train": part_train, "budget": part_budget, "hf": part_hf, "rollout": part_rollout, "decode": part_decode,
-    "eval": part_eval, "trl": part_trl,
+    "eval": part_eval, "trl": part_trl, "rlstep": part_rlstep,
 }
 
 

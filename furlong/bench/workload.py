@@ -17,7 +17,7 @@ from furlong.models.hf_config import ModelArgs
 
 # budget last: its out-of-memory rows can leave the allocator fragmented for later parts;
 # trl (minutes of HF generate) after the engine's parts, so a short `all` run still gets those
-PART_ORDER = ("train", "hf", "rollout", "decode", "eval", "trl", "budget")
+PART_ORDER = ("train", "hf", "rollout", "decode", "eval", "rlstep", "trl", "budget")
 DEFAULT_BUDGETS = [32768, 65536, 131072, 200000]
 
 
@@ -53,6 +53,9 @@ class Workload:
     trl_micro_batch_size: int       # trl part: TRL's per_device_train_batch_size (divides num_samples)
     trl_warmup_steps: int           # trl part: untimed TRL steps first
     trl_timed_steps: int            # trl part: TRL steps in the median
+    rlstep_num_steps: int           # rlstep part: RL steps per mode (without, with --partial-rollout)
+    rlstep_over_sampling: int       # rlstep part: --over-sampling-batch-size (default twice the prompts)
+    rlstep_zero_std_every: int      # rlstep part: every k-th prompt's group gets equal rewards (filtered out)
 
     @property
     def num_samples(self) -> int:
@@ -126,7 +129,13 @@ def load_workload(path: str | Path) -> Workload:
         trl_micro_batch_size=int(raw.get("trl_probe", {}).get("micro_batch_size", math.gcd(16, len(response_lens)))),
         trl_warmup_steps=int(raw.get("trl_probe", {}).get("warmup_steps", 2)),
         trl_timed_steps=int(raw.get("trl_probe", {}).get("timed_steps", 3)),
+        rlstep_num_steps=int(raw.get("rl_step_probe", {}).get("num_steps", 3)),
+        rlstep_over_sampling=int(raw.get("rl_step_probe", {}).get("over_sampling_batch_size", 2 * len(prompt_lens))),
+        rlstep_zero_std_every=int(raw.get("rl_step_probe", {}).get("zero_std_every", 4)),
     )
+    if w.rlstep_num_steps < 1 or w.rlstep_over_sampling < 1 or w.rlstep_zero_std_every < 2:
+        raise ValueError(f"--workload: {path}: rl_step_probe needs num_steps >= 1, over_sampling_batch_size >= 1 "
+                         "and zero_std_every >= 2")
     if w.trl_micro_batch_size < 1 or w.num_samples % w.trl_micro_batch_size:
         raise ValueError(f"--workload: {path}: trl_probe.micro_batch_size ({w.trl_micro_batch_size}) must divide "
                          f"the {w.num_samples} samples of the step (one TRL optimizer step per rollout)")

@@ -1,4 +1,6 @@
-"""A training run's checkpoint: the critic (ppo), then the actor with the prompt sampler's position.
+"""A training run's checkpoint: the critic (ppo), then the actor with the prompt sampler's position
+and, with --partial-rollout, the paused groups (rollout/partial.py) beside it in trainer.pt, so they
+are written and renamed into place with the rest of the iteration (atomic) and a resumed run loses none.
 
 One save and one resume for the loop and run set-up, so the order rule lives in one place: the
 critic's iter_N is written BEFORE the actor's, so a complete actor iter_N implies the critic's
@@ -15,6 +17,7 @@ from furlong.checkpoint.critic import load_critic, save_critic
 
 if TYPE_CHECKING:
     from furlong.data import PromptDataset
+    from furlong.rollout.partial import PausedGroups
     from furlong.trainer.actor import Actor
     from furlong.trainer.critic import Critic
 
@@ -31,20 +34,29 @@ class CheckpointConfig:
     source: str | None               # --hf-checkpoint, recorded in the actor's checkpoints for `furlong export`
 
 
+PAUSED_KEY = "paused_groups"   # in the sampler state: PausedGroups.state_dict()
+
+
 def save_run(cfg: CheckpointConfig, actor: Actor, critic: Critic | None, dataset: PromptDataset,
-             rollout_id: int) -> Path:
+             rollout_id: int, paused: PausedGroups | None = None) -> Path:
     """Save after `rollout_id` into --save (every rank calls); returns the actor's iter_* directory."""
     if critic is not None:
         save_critic(cfg.critic_save, critic, rollout_id)
-    return save_checkpoint(cfg.save, actor, rollout_id, sampler_state=dataset.state_dict(), source=cfg.source,
+    sampler = dataset.state_dict()
+    if paused is not None:
+        sampler[PAUSED_KEY] = paused.state_dict()
+    return save_checkpoint(cfg.save, actor, rollout_id, sampler_state=sampler, source=cfg.source,
                            lora=actor.cfg.lora)
 
 
 def load_run(cfg: CheckpointConfig, actor: Actor, critic: Critic | None, dataset: PromptDataset,
-             iteration: int) -> ResumeState:
-    """Restore iteration `iteration` of --load (checked by run set-up) into actor, critic and dataset."""
+             iteration: int, paused: PausedGroups | None = None) -> ResumeState:
+    """Restore iteration `iteration` of --load (checked by run set-up) into actor, critic, dataset and the
+    paused groups (none when the checkpoint was saved without --partial-rollout)."""
     state = load_checkpoint(cfg.load, actor, iteration)
     if critic is not None:
         load_critic(cfg.critic_load, critic, iteration)
     dataset.load_state_dict(state.sampler_state)
+    if paused is not None:
+        paused.load_state_dict(state.sampler_state.get(PAUSED_KEY, {"groups": []}))
     return state

@@ -88,6 +88,10 @@ class Scheduler:
             raise ValueError(f"request {request.request_id}: n={request.n} samples exceed --rollout-max-num-seqs "
                              f"{self.max_num_seqs}")
         need = len(request.prompt_ids) + max(request.sample_max_new_tokens or [request.params.max_new_tokens])
+        if request.resume_ids and (request.n != 1 or len(request.resume_log_probs) != len(request.resume_ids)
+                                   or len(request.resume_ids) >= need - len(request.prompt_ids)):
+            raise ValueError(f"request {request.request_id}: resume_ids need n = 1, a log-prob each and fewer "
+                             f"tokens than max_new_tokens")
         if need > self.max_model_len:
             raise ValueError(f"request {request.request_id}: prompt {len(request.prompt_ids)} + max_new_tokens "
                              f"{request.params.max_new_tokens} exceeds the engine's max length {self.max_model_len}")
@@ -105,7 +109,7 @@ class Scheduler:
     def _unit(self, item: Request | Sequence) -> tuple[int, int]:
         """(samples, prefill tokens) of a waiting item."""
         if isinstance(item, Request):
-            return item.n, len(item.prompt_ids)
+            return item.n, item.num_tokens
         return 1, item.num_tokens - item.num_cached
 
     def _pages_needed(self, item: Request | Sequence) -> int:
@@ -118,8 +122,11 @@ class Scheduler:
         return own + num * pages_for(self.window + 1, size)    # head-room: one decode window per sample
 
     def _shared_key(self, item: Request | Sequence) -> tuple[int, ...] | None:
-        """The prompt a new request may share with another admitted in the same step (None: never)."""
-        return tuple(item.prompt_ids) if self.share_prompts and isinstance(item, Request) else None
+        """The prompt a new request may share with another admitted in the same step (None: never; a
+        resumed partial sample carries its own earlier tokens, so it prefills alone)."""
+        if not self.share_prompts or not isinstance(item, Request) or item.resume_ids:
+            return None
+        return tuple(item.prompt_ids)
 
     def _admit(self) -> list[PrefillItem]:
         free_pages, free_rows = self.blocks.num_free, self.max_num_seqs - len(self.running)
@@ -153,8 +160,8 @@ class Scheduler:
                 hosts[key].sequences.extend(seqs)
             elif isinstance(item, Request):
                 seqs = new_sequences(item)
-                self.blocks.grow(seqs[0].block_table, len(item.prompt_ids))
-                out.append(PrefillItem(sequences=seqs, token_ids=list(item.prompt_ids), page_copies=[]))
+                self.blocks.grow(seqs[0].block_table, item.num_tokens)
+                out.append(PrefillItem(sequences=seqs, token_ids=list(seqs[0].token_ids), page_copies=[]))
                 if key is not None:
                     hosts[key] = out[-1]
             else:

@@ -8,6 +8,11 @@ prefills only the tokens past the cached prefix. The engine prefills the prompt 
 it into n `Sequence`s that share the prompt's full KV blocks. A sequence's
 tokens are `token_ids` = prompt + generated so far; the KV of every token but
 the last is in the cache while it runs (the last one is the next decode input).
+
+A paused sample (partial rollouts, rollout/partial.py) comes back as a request of n = 1 whose
+`resume_ids` are its tokens so far: they are prefilled with the prompt but stay its response (their
+log-probs, its max_new_tokens budget, stop strings across the pause), and `first_sample` keeps its
+sampling noise, so with unchanged weights it continues exactly as if it had never stopped.
 """
 from __future__ import annotations
 
@@ -34,6 +39,14 @@ class Request:
     retain_kv: bool = False          # n = 1: its KV pages stay after it finishes, for a `continues` request
     continues: int | None = None     # id of a retained, finished request whose tokens this prompt extends:
                                      # the KV of the common prefix is reused, only the rest is prefilled
+    resume_ids: list[int] = field(default_factory=list)         # [k] n = 1: a paused sample's tokens so far
+    resume_log_probs: list[float] = field(default_factory=list)  # [k] their engine log-probs
+    first_sample: int = 0            # sample j draws the noise of sample first_sample + j of `seed`
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens a sample holds when admitted: prompt plus resumed response."""
+        return len(self.prompt_ids) + len(self.resume_ids)
 
 
 @dataclass
@@ -101,6 +114,7 @@ def sample_seed32(request_seed: int, index: int) -> int:
 
 
 def new_sequences(request: Request) -> list[Sequence]:
-    return [Sequence(request=request, index=j, token_ids=list(request.prompt_ids),
-                     num_prompt_tokens=len(request.prompt_ids), seed32=sample_seed32(request.seed, j))
+    return [Sequence(request=request, index=j, token_ids=list(request.prompt_ids) + list(request.resume_ids),
+                     num_prompt_tokens=len(request.prompt_ids), log_probs=list(request.resume_log_probs),
+                     seed32=sample_seed32(request.seed, request.first_sample + j))
             for j in range(request.n)]

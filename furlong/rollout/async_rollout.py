@@ -25,8 +25,9 @@ from typing import Any, Callable, Coroutine
 from furlong.engine.async_front import AsyncEngine
 from furlong.rollout.custom_generate import GenerateArgs, GenerateError, GenerateSpec, run_generate
 from furlong.rollout.filters import GroupFilter
-from furlong.rollout.rollout import (RolloutBatch, RolloutError, RolloutConfig, _summarize, derive_seed, gather_lists,
+from furlong.rollout.rollout import (RolloutBatch, RolloutError, RolloutConfig, derive_seed, gather_lists,
                                      rank_share, reward_groups)
+from furlong.rollout.rollout_metrics import summarize
 from furlong.types import DistContext, Group, Prompt, Sample
 
 
@@ -120,7 +121,7 @@ async def _rollout(dataset: Any, front: AsyncEngine, args: GenerateArgs, gen: Ge
     num_aborted = in_flight + num_late
     stats = front.engine.reset_stats()
     num_tokens = sum(gather_lists([stats.num_generated_tokens], ranks))
-    metrics = _summarize(kept, dict(dropped), num_aborted, num_finished, num_tokens, time.perf_counter() - started,
+    metrics = summarize(kept, dict(dropped), num_aborted, num_finished, num_tokens, time.perf_counter() - started,
                          reward_seconds, stats, num_failed=num_failed)
     return RolloutBatch(groups=kept, metrics=metrics)
 

@@ -26,7 +26,8 @@ from typing import Any, Callable
 from furlong.engine.async_front import AsyncEngine
 from furlong.rollout.async_rollout import run_coroutine
 from furlong.rollout.custom_generate import GenerateArgs, GenerateError, check_sample
-from furlong.rollout.rollout import RolloutBatch, _summarize, gather_lists, reward_groups
+from furlong.rollout.rollout import RolloutBatch, gather_lists, reward_groups
+from furlong.rollout.rollout_metrics import summarize
 from furlong.types import DistContext, Group, Sample
 
 FLAG = "--rollout-function-path"
@@ -78,7 +79,7 @@ def run_custom_rollout(fn: Callable[..., Any], name: str, dataset: Any, front: A
                             "(--rollout-batch-size x --n-samples-per-prompt)")
     stats = front.engine.reset_stats()
     num_tokens = sum(gather_lists([stats.num_generated_tokens], ranks))
-    metrics = _summarize(groups, {}, 0, len(groups), num_tokens, time.perf_counter() - started, reward_seconds,
+    metrics = summarize(groups, {}, 0, len(groups), num_tokens, time.perf_counter() - started, reward_seconds,
                          stats)
     metrics.custom = {f"rollout/custom/{k}": float(v) for k, v in extra.items()}
     return RolloutBatch(groups=groups, metrics=metrics)

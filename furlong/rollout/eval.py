@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from furlong.engine.sampling import SamplingParams
 from furlong.engine.sequence import Request
-from furlong.rollout.rollout import derive_seed, gather_lists, rank_share, reward_groups, to_group
+from furlong.rollout.in_flight import to_group
+from furlong.rollout.rollout import derive_seed, gather_lists, rank_share, reward_groups
 from furlong.types import DistContext, Prompt, Sample
 
 if TYPE_CHECKING:

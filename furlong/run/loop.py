@@ -69,7 +69,7 @@ class CiFailure(RuntimeError):
 
 def _save(parts: RunParts, rollout_id: int) -> None:
     t = time.perf_counter()
-    path = save_run(parts.config.checkpoint, parts.actor, parts.critic, parts.dataset, rollout_id)
+    path = save_run(parts.config.checkpoint, parts.actor, parts.critic, parts.dataset, rollout_id, parts.paused)
     parts.logger.line(f"saved checkpoint {path} (after rollout {rollout_id + 1}, {time.perf_counter() - t:.1f}s)")
 
 

@@ -48,7 +48,7 @@ def rollout_step(parts: RunParts, cfg: RolloutConfig, rollout_id: int) -> Rollou
             return generate_rollout_custom(parts.dataset, front, args, fns.generate, parts.reward_fn,
                                            parts.filter_fn, cfg, parts.ctx, rollout_id)
         return generate_rollout(parts.dataset, parts.engine, parts.reward_fn, parts.filter_fn, cfg, parts.ctx,
-                                rollout_id)
+                                rollout_id, paused=parts.paused)
     finally:
         parts.engine.release()
 

@@ -33,6 +33,7 @@ if TYPE_CHECKING:   # the engine and trainer modules are imported when a run bui
     from furlong.engine import Engine
     from furlong.rollout.eval import EvalSet
     from furlong.rollout.filters import GroupFilter
+    from furlong.rollout.partial import PausedGroups
     from furlong.run.user_functions import RolloutFunctions, UserFunctions
     from furlong.trainer.actor import Actor
     from furlong.trainer.critic import Critic
@@ -70,6 +71,7 @@ class RunParts:
     num_params: int                            # the policy's parameter count (MFU)
     critic: Critic | None = None               # ppo only
     functions: RolloutFunctions | None = None  # custom generate / rollout functions (run/rollout_step.py)
+    paused: PausedGroups | None = None         # --partial-rollout: groups paused by one rollout for the next
 
 
 def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctions | None = None) -> RunParts:
@@ -149,10 +151,14 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctio
         logger.line(f"evaluating iteration {resume.iteration} of {cfg.ckpt.load} ({resume.path})")
 
     start_rollout = 0
+    paused = None
+    if config.rollout.partial_rollout and with_actor:
+        from furlong.rollout.partial import PausedGroups
+        paused = PausedGroups()
     if resume is not None and actor is not None:
         from furlong.checkpoint.run import load_run
         from furlong.trainer.weight_sync import sync_weights
-        state = load_run(config.checkpoint, actor, critic, dataset, resume.iteration)
+        state = load_run(config.checkpoint, actor, critic, dataset, resume.iteration, paused)
         start_rollout = state.next_rollout_id
         sync_weights(actor.model, engine.model, cfg.batch.update_weight_buffer_size)
         dropped = logger.cut_back(state.rollout_id)
@@ -161,4 +167,5 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctio
     eval_sets = [] if config.debug.train_only else inputs.eval_sets   # replayed rollouts: no eval (miles)
     return RunParts(config=config, ctx=ctx, output_dir=out, logger=logger, dataset=dataset, eval_sets=eval_sets,
                     engine=engine, reward_fn=inputs.reward_fn, filter_fn=inputs.filter_fn, actor=actor,
-                    start_rollout=start_rollout, num_params=num_params, critic=critic, functions=inputs.functions)
+                    start_rollout=start_rollout, num_params=num_params, critic=critic, functions=inputs.functions,
+                    paused=paused)

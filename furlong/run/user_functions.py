@@ -49,6 +49,8 @@ def load_user_functions(cfg: Config, given: UserFunctions | None) -> RolloutFunc
                            drop_failed=r.custom_generate_on_error == "drop")
     rollout = given.rollout or (load_function(r.rollout_function_path, "--rollout-function-path")
                                 if r.rollout_function_path else None)
+    if r.partial_rollout and (gen is not None or rollout is not None):   # the API's callables (flags: config_checks)
+        raise ValueError("--partial-rollout: not supported with a custom generate or rollout function")
     rollout_name = "" if rollout is None else (
         r.rollout_function_path if given.rollout is None else _name(rollout))
     path = cfg.eval_set.eval_function_path

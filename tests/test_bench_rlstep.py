@@ -1,0 +1,78 @@
+"""The bench's `rlstep` part on the CPU at tiny scale: real RL steps without and with --partial-rollout, side by
+side; and its prompt pool on bench/long_workload.json (the workload it is meant for)."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from furlong import bench
+from furlong.bench.rl_step_part import POOL_PASSES, prompt_pool
+from furlong.bench.workload import load_workload
+from test_bench import tiny_workload, write
+
+LONG_WORKLOAD = Path(__file__).resolve().parents[1] / "bench" / "long_workload.json"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_rlstep_runs_both_modes_side_by_side(tmp_path, capsys):
+    w = tiny_workload(max_tokens_per_gpu=200)
+    # lengths past one decode window (16), so groups finish at different engine steps and some are cut short
+    w["rollout"].update(response_lens=[5, 70, 33, 12, 48, 21], max_response_len=70)
+    out = tmp_path / "bench.json"
+    assert bench.run_bench(str(write(tmp_path, w)), str(out), "rlstep") == 0
+    rep = json.loads(out.read_text())["parts"]["rlstep"]
+    assert rep["status"] == "ok", rep["error"]
+    r = rep["result"]
+    k = r["num_steps"]
+    assert k == 3 and r["rollout_batch_size"] == 3 and r["over_sampling_batch_size"] == 6
+    for mode in ("plain", "partial"):
+        assert len(r[f"{mode}_step_s"]) == k and all(t > 0 for t in r[f"{mode}_step_s"])
+        assert all(a <= s for a, s in zip(r[f"{mode}_rollout_s"], r[f"{mode}_step_s"]))
+        assert all(t > 0 for t in r[f"{mode}_train_s"])
+    # step 1 is the same rollout in both modes up to its end (abort vs pause): the same work and batch
+    assert r["plain_generated_tokens"][0] == r["partial_generated_tokens"][0]
+    assert r["plain_trained_tokens"][0] == r["partial_trained_tokens"][0]
+    assert r["partial_paused_samples"][0] > 0 and r["partial_aborted_groups"][0] < r["plain_aborted_groups"][0]
+    # the buffer (at most 6 groups here) is drawn whole by the next step
+    assert r["partial_resumed_samples"][1:] == r["partial_paused_samples"][:-1]
+    assert r["partial_resumed_samples"][0] == 0 and r["partial_offpolicy_token_frac"][0] == 0
+    assert max(r["partial_offpolicy_token_frac"]) > 0
+    after = lambda xs: sum(xs[1:]) / (k - 1)   # noqa: E731
+    assert r["plain_step_s_after_first"] == pytest.approx(after(r["plain_step_s"]))
+    assert r["partial_speedup"] == pytest.approx(after(r["plain_step_s"]) / after(r["partial_step_s"]))
+    printed = capsys.readouterr().out
+    assert "rlstep partial step 3" in printed and "partial_speedup" in printed
+
+
+def test_rlstep_pool_of_the_long_workload():
+    w = load_workload(LONG_WORKLOAD)
+    assert (w.rlstep_num_steps, w.rlstep_over_sampling, w.rlstep_zero_std_every) == (2, 64, 4)
+    b = SimpleNamespace(w=w, seed=0, args=SimpleNamespace(vocab_size=w.model["vocab_size"]))
+    prompts, forced = prompt_pool(b)
+    num = len(w.prompt_lens)
+    assert len(prompts) == len(forced) == POOL_PASSES * num
+    assert [len(p.token_ids) for p in prompts] == w.prompt_lens * POOL_PASSES
+    for p in range(POOL_PASSES):   # each pass deals exactly the workload's response lengths
+        dealt = [x for q in prompts[p * num:(p + 1) * num] for x in forced[tuple(q.token_ids)]]
+        assert Counter(dealt) == Counter(w.response_lens)
+    assert [forced[tuple(q.token_ids)] for q in prompts[:num]] == [w.response_lens[i * 8:(i + 1) * 8]
+                                                                  for i in range(num)]
+
+
+def test_rl_step_probe_is_checked(tmp_path):
+    w = tiny_workload()
+    w["rl_step_probe"] = {"num_steps": 0}
+    with pytest.raises(ValueError, match="rl_step_probe"):
+        load_workload(write(tmp_path, w))
