@@ -70,7 +70,8 @@ class UsageError(Exception):
 _PATH_WORDS = ("checkpoint", "path", "data", "dir", "save", "load")
 GROUP_TITLES = {"data": "data and model", "sft": "furlong sft only", "log": "outputs and logging",
                 "ckpt": "checkpoints", "algo": "algorithm", "optim": "optimizer", "batch": "batching and memory",
-                "parallel": "processes and devices", "lora": "LoRA (adapters on a frozen base)"}
+                "parallel": "processes and devices", "lora": "LoRA (adapters on a frozen base)",
+                "ref": "reference model and optimizer state", "length": "run length", "custom": "user loss and reward functions"}
 
 
 def _metavar(f: dataclasses.Field, base: str) -> str:
@@ -110,11 +111,11 @@ _EVAL_ROLLOUT = {"num_rollout", "rollout_batch_size", "n_samples_per_prompt", "o
                  "dynamic_sampling_filter_path", "rollout_num_gpus", "rollout_function_path"}
 COMMAND_FLAGS: dict[str, dict[str, set[str]]] = {
     "train": {g: set() for g in ("data", "reward", "rollout", "eval", "algo", "optim", "batch", "parallel", "ckpt",
-                                 "log", "lora")},
+                                 "log", "lora", "ref", "length", "custom")},
     "sft": {"data": {"label_key", "apply_chat_template", "rollout_shuffle", "rollout_seed", "rollout_max_prompt_len",
                      "apply_chat_template_kwargs", "tool_key", "metadata_key"},
             "optim": set(), "batch": {"num_steps_per_rollout", "update_weight_buffer_size"}, "parallel": set(),
-            "ckpt": {"save_interval", "load", "ckpt_step"}, "sft": set(),
+            "ckpt": {"save_interval", "load", "ckpt_step"}, "sft": set(), "length": {"start_rollout_id"},
             "log": {"use_tensorboard", "use_wandb", "wandb_project", "wandb_group", "wandb_key",
                     "disable_wandb_random_suffix", "save_debug_rollout_data", "ci_test", "ci_disable_kl_checker",
                     "ci_metric_checker_key", "ci_metric_checker_threshold"}},

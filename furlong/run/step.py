@@ -9,8 +9,10 @@
     values           the critic's (ppo)
     advantages       the estimator of --advantage-estimator, then whitening (algorithms/advantages.py)
     critic_train     ppo: the critic first, on the values GAE used (miles' order)
-    actor_train      except in the first --num-critic-only-steps rollouts
+    actor_train      except in the first --num-critic-only-steps rollouts (--reset-optimizer-states: the
+                     trainers' optimizer state zeroed first)
     update_weights   the new weights into the engine, in place
+    ref_update       --ref-update-interval N: after every N-th rollout the reference takes the actor's weights
 
 Each stage's wall time is logged as `perf/<stage>_time`; `perf/log_probs_time` is old + ref (the
 name miles' dashboards read). Eval, the metrics line and the checkpoint follow in loop.py.
@@ -33,6 +35,7 @@ from furlong.algorithms.losses import kl_penalty
 from furlong.algorithms.shaping import ShapingConfig, shaped_rewards
 from furlong.launch.failure import Position
 from furlong.rollout.rollout import RolloutBatch
+from furlong.run.reward_post_process import RewardPostProcess
 from furlong.run.rollout_step import rollout_step
 from furlong.trainer.metrics import TrainMetrics
 from furlong.trainer.trainer_config import BatchingConfig
@@ -106,16 +109,21 @@ class StageClock:
 
 # ------------------------------------------------------------------------------------------ stages
 
-def train_samples(groups: list[Group], shaping: ShapingConfig) -> tuple[list[TrainSample], torch.Tensor]:
+def train_samples(groups: list[Group], shaping: ShapingConfig,
+                  post_process: RewardPostProcess | None = None) -> tuple[list[TrainSample], torch.Tensor]:
     """Kept groups -> TrainSamples (advantages still 0) and shaped rewards [G, n]. A multi-turn sample's
     loss mask (0 on tool/environment tokens) goes with it: the loss weights, token counts, KL and entropy
-    terms all read it (trainer/batching.py, algorithms/losses.py)."""
+    terms all read it (trainer/batching.py, algorithms/losses.py). `post_process`: the user's rewards in
+    place of the samples' own (--custom-reward-post-process-path)."""
     samples = [TrainSample(token_ids=torch.tensor(s.prompt.token_ids + s.response_ids, dtype=torch.long),
                            num_prompt_tokens=len(s.prompt.token_ids), advantages=torch.zeros(len(s.response_ids)),
                            rollout_log_probs=torch.tensor(s.rollout_log_probs, dtype=torch.float32),
                            loss_mask=None if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float32))
                for g in groups for s in g.samples]
     rewards = torch.tensor([[float(s.reward) for s in g.samples] for g in groups], dtype=torch.float32)
+    if post_process is not None and groups:
+        rewards = torch.tensor(post_process([s for g in groups for s in g.samples]),
+                               dtype=torch.float32).reshape(rewards.shape)
     lens = [[len(s.response_ids) for s in g.samples] for g in groups]
     return samples, shaped_rewards(rewards, lens, shaping)
 
@@ -174,7 +182,8 @@ def rl_step(parts: RunParts, rollout_id: int, clock: StageClock) -> StepOutput:
     cfg, actor, critic = parts.config, parts.actor, parts.critic
     with clock.where("rollout"):
         batch = rollout_step(parts, cfg.rollout, rollout_id)         # timed by its own clock: perf/rollout_time
-    samples, rewards = clock.run("shaping", train_samples, batch.groups, cfg.shaping)
+    post = parts.functions.reward_post_process if parts.functions is not None else None
+    samples, rewards = clock.run("shaping", train_samples, batch.groups, cfg.shaping, post)
     clock.run("old_log_probs", old_log_probs, samples, actor, cfg.steps, cfg.passes.old)
     clock.run("ref_log_probs", ref_log_probs, samples, actor, cfg.steps, cfg.passes.ref)
     if critic is not None:
@@ -182,10 +191,18 @@ def rl_step(parts: RunParts, rollout_id: int, clock: StageClock) -> StepOutput:
     clock.run("advantages", advantages, samples, rewards, cfg.advantages)
     metrics = batch.metrics.as_log()
     if critic is not None:
+        if cfg.reset_optimizer_states:   # miles (Megatron): fresh moments at the start of every rollout's training
+            critic.reset_optimizer_state()
         metrics.update(clock.run("critic_train", critic.train_step, samples, cfg.steps).to_log())
     train = None
     if rollout_id >= cfg.num_critic_only_steps:   # --num-critic-only-steps: the actor stays frozen until then
+        if cfg.reset_optimizer_states:
+            actor.reset_optimizer_state()
         train = clock.run("actor_train", actor.train_step, samples, cfg.steps)
         clock.run("update_weights", sync_weights, actor.model, parts.engine.model, cfg.update_weight_buffer_size)
         metrics.update(train.to_log())
+    n = cfg.ref_update_interval
+    if n is not None and train is not None and actor.ref_model is not None and (rollout_id + 1) % n == 0:
+        # miles: at the end of the actor's train step
+        clock.run("ref_update", actor.update_reference)
     return StepOutput(batch=batch, samples=samples, metrics=metrics, train=train)
