@@ -198,6 +198,10 @@ def _check_optim(cfg: Config) -> None:
     _need(o.lr_warmup_fraction is None or 0 <= o.lr_warmup_fraction < 1, "--lr-warmup-fraction",
           f"must be in [0, 1), got {o.lr_warmup_fraction}")
     _need(0 <= o.lr_warmup_init <= o.lr, "--lr-warmup-init", f"must be in [0, --lr {o.lr}], got {o.lr_warmup_init}")
+    _need(o.lr_decay_style != "WSD" or (o.lr_wsd_decay_iters or 0) >= 1, "--lr-wsd-decay-iters",
+          "--lr-decay-style WSD needs it (>= 1: the optimizer steps of the final decay)")
+    wsd = ("exponential", "linear", "cosine", "minus_sqrt")
+    _need(o.lr_wsd_decay_style in wsd, "--lr-wsd-decay-style", f"unknown style {o.lr_wsd_decay_style!r} ({', '.join(wsd)})")
     _need(o.lr_decay_iters is None or o.lr_decay_iters >= 1, "--lr-decay-iters",
           f"must be >= 1, got {o.lr_decay_iters}")
     _need(math.isfinite(o.clip_grad) and o.clip_grad >= 0, "--clip-grad", f"must be a finite number >= 0 (0: off)")

@@ -92,6 +92,7 @@ def apply_flag_file(ns: argparse.Namespace, command: str) -> argparse.Namespace:
             raise ValueError(f"{FLAG}: {where}: key {key!r}: " + (why or f"not a flag of furlong {command}"))
         attr, f = fields[key]
         dest = f"{attr}.{f.name}"
+        value = _convert(value, f, where, key)   # checked even when the command line overrides it
         if not hasattr(ns, dest):   # the command line wins
-            setattr(ns, dest, _convert(value, f, where, key))
+            setattr(ns, dest, value)
     return ns
