@@ -72,3 +72,30 @@ def grpo_rewards(args, samples):
 
 def rewards_too_short(args, samples):
     return [0.0], [0.0]
+
+
+# Variants that change the objective: a run with one must NOT train like furlong's default (the
+# equivalence tests above would pass for an ignored function too; these would not).
+
+def ppo_loss_negated(args, batch, log_probs, entropy, sum_of_sample_mean):
+    """(A scaled loss would not do: Adam's step does not see the scale.)"""
+    loss, metrics = ppo_loss(args, batch, log_probs, entropy, sum_of_sample_mean)
+    return -loss, metrics
+
+
+def tis_zero(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kwargs):
+    """Every token's mask set to 0: no policy term at all."""
+    return pg_loss, [m * 0 for m in loss_masks], {}
+
+
+def first_tokens_reducer(total_lengths, response_lengths, loss_masks, calculate_per_token_loss=False):
+    """Only each sample's first 3 response tokens count."""
+    def reduce(x):
+        return sum((x_i[:3] * m_i[:3]).sum() / m_i[:3].sum().clamp(min=1)
+                   for x_i, m_i in zip(x.split(response_lengths), loss_masks))
+    return reduce
+
+
+def reversed_rewards(args, samples):
+    raw, rewards = grpo_rewards(args, samples)
+    return raw, [-r for r in rewards]

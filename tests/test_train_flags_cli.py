@@ -32,7 +32,7 @@ def argv(a: Path, out: Path, *extra: str, num_rollout: str | None = "2") -> list
     rollouts = [] if num_rollout is None else ["--num-rollout", num_rollout]
     return ["train", "--hf-checkpoint", str(a / "ckpt"), "--prompt-data", str(a / "data" / "train.parquet"),
             "--input-key", "messages", "--label-key", "label", "--apply-chat-template",
-            "--custom-rm-path", "tests.rewards_for_tests.length_reward", *rollouts,
+            "--custom-rm-path", "tests.rewards_for_tests.index_reward", *rollouts,
             "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "6",
             "--lr", "1e-2", "--device", "cpu", "--output-dir", str(out), *extra]
 
@@ -145,3 +145,160 @@ def test_custom_config_path(assets, tmp_path, capsys):
         assert code == 2, text
         one_line(err, "--custom-config-path", *needles)
     assert not (tmp_path / "bad").exists()
+
+
+# ------------------------------------------------------------------ the reference model
+
+KL = ("--use-kl-loss", "--kl-loss-coef", "0.1")
+
+
+def test_ref_load_hf_folder_and_furlong_checkpoint(assets, tmp_path, capsys):
+    """The KL against the reference at the first step is 0 when the reference is the initial weights (by
+    default, or --ref-load naming the same HF folder) and not when it is another model's or a trained one."""
+    base = train(assets, tmp_path, "base", *KL, num_rollout="1")
+    assert metrics(base)[0]["train/kl_loss"] == 0
+    same = train(assets, tmp_path, "same", *KL, "--ref-load", str(assets / "ckpt"), num_rollout="1")
+    assert metrics(same)[0]["train/kl_loss"] == pytest.approx(0, abs=1e-6)
+    other = write_tiny_checkpoint(tmp_path / "other", vocab_size=128, hidden=32, layers=2, heads=2, kv_heads=1, seed=7)
+    capsys.readouterr()
+    out = train(assets, tmp_path, "other", *KL, "--ref-load", str(other), num_rollout="1")
+    assert "reference model: " + str(other) in capsys.readouterr().out
+    assert abs(metrics(out)[0]["train/kl_loss"]) > 1e-3
+    # a furlong --save directory: the base run's iteration 1 (trained once: it differs from the start)
+    ck = train(assets, tmp_path, "ck", *KL, "--ref-load", str(tmp_path / "base_ck"), "--ref-ckpt-step", "1",
+               num_rollout="1")
+    kl_trained = metrics(ck)[0]["train/kl_loss"]
+    assert abs(kl_trained) > 1e-6 and kl_trained != metrics(out)[0]["train/kl_loss"]
+
+    (tmp_path / "megatron" / "iter_0000001").mkdir(parents=True)
+    (tmp_path / "megatron" / "latest_checkpointed_iteration.txt").write_text("1")
+    bigger = write_tiny_checkpoint(tmp_path / "bigger", vocab_size=128, hidden=64, layers=2, heads=2, kv_heads=1)
+    for ref, needles in ((tmp_path / "megatron", ["Megatron torch_dist", "HF folder"]),
+                         (bigger, ["another model"]), (tmp_path / "nowhere", ["not a directory"]),
+                         (tmp_path / "base", ["neither an HF folder"])):
+        code, _, err = run_cli(argv(assets, tmp_path / "bad", *KL, "--ref-load", str(ref)), capsys)
+        assert code == 2, ref
+        one_line(err, "--ref-load", *needles)
+    code, _, err = run_cli(argv(assets, tmp_path / "bad", *KL, "--ref-load", str(tmp_path / "base_ck"),
+                                "--ref-ckpt-step", "5"), capsys)
+    assert code == 2
+    one_line(err, "--ref-ckpt-step", "no iteration 5")
+    code, _, err = run_cli(argv(assets, tmp_path / "bad", "--ref-load", str(other)), capsys)   # no KL term
+    assert code == 0 and "--ref-load is unused" in err
+
+
+def test_ref_update_interval_and_its_resume(assets, tmp_path):
+    """--ref-update-interval 1: each rollout's reference is the actor it starts from, so the KL of its one
+    optimizer step is 0; without it the KL grows from rollout 2 on. With 2, a run resumed after iteration 3
+    restores iteration 2's actor as its reference and ends exactly like the uninterrupted run."""
+    every = train(assets, tmp_path, "every", *KL, "--ref-update-interval", "1", num_rollout="3")
+    assert [m["train/kl_loss"] for m in metrics(every)] == pytest.approx([0, 0, 0], abs=1e-6)
+    never = train(assets, tmp_path, "never", *KL, num_rollout="3")
+    assert abs(metrics(never)[2]["train/kl_loss"]) > 1e-4
+
+    whole = train(assets, tmp_path, "whole", *KL, "--ref-update-interval", "2", "--save-interval", "1",
+                  num_rollout="4")
+    part = train(assets, tmp_path, "part", *KL, "--ref-update-interval", "2", "--save-interval", "1",
+                 num_rollout="3")
+    assert main(argv(assets, part, *KL, "--ref-update-interval", "2", "--save", str(tmp_path / "part_ck"),
+                     "--load", str(tmp_path / "part_ck"), num_rollout="4")) == 0
+    assert [m["train/kl_loss"] for m in metrics(part)] == pytest.approx([m["train/kl_loss"] for m in metrics(whole)],
+                                                                        rel=1e-4, abs=1e-7)
+    assert_same_training(assets, tmp_path, "whole", "part")
+
+
+def test_reset_optimizer_states(assets, tmp_path):
+    """Adam's first step moves every weight with a gradient by exactly lr (m/sqrt(v) = +-1); with the state
+    reset before each rollout the second rollout's step is a first step too, without it it is not."""
+    def unit_moves(name: str) -> float:
+        w1 = weights_at(tmp_path / f"{name}_ck", 1)
+        w2 = weights_at(tmp_path / f"{name}_ck", 2)
+        delta = torch.cat([(w2[k] - w1[k]).abs().flatten() for k in w1])
+        moved = delta[delta > 0]
+        return float(((moved / 1e-2 - 1).abs() < 0.02).float().mean())
+
+    def weights_at(save: Path, it: int) -> dict[str, torch.Tensor]:
+        from furlong.checkpoint.store import load_model_weights
+        from furlong.models.hf_io import load_pretrained
+        model = load_pretrained(assets / "ckpt", dtype=torch.float32)
+        load_model_weights(save, model, it)
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    train(assets, tmp_path, "reset", "--reset-optimizer-states", "--save-interval", "1")
+    train(assets, tmp_path, "keep", "--save-interval", "1")
+    assert unit_moves("reset") > 0.95
+    assert unit_moves("keep") < 0.5
+
+
+def test_reset_optimizer_state_zeroes_adam():
+    from furlong.config import OptimConfig
+    from furlong.trainer.base import Trainer
+    from furlong.trainer.optimizer import build_optimizer
+    p = torch.nn.Parameter(torch.ones(2, 2))
+    holder = Trainer.__new__(Trainer)   # only the optimizer is needed
+    holder.optimizer = build_optimizer([p], OptimConfig(lr=0.1))
+    p.grad = torch.ones(2, 2)
+    holder.optimizer.step()
+    state = holder.optimizer.state[p]
+    assert state["step"] == 1 and state["exp_avg"].abs().sum() > 0
+    holder.reset_optimizer_state()
+    assert state["step"] == 0 and state["exp_avg"].abs().sum() == 0 and state["exp_avg_sq"].abs().sum() == 0
+
+
+# ------------------------------------------------------------------ user loss and reward functions
+
+@pytest.fixture(scope="module")
+def runs(assets, tmp_path_factory):
+    """Runs with furlong's own loss variants, trained once for the equivalence tests below."""
+    d = tmp_path_factory.mktemp("loss_runs")
+    for name, extra in (("base", ()), ("tis", ("--use-tis", "--tis-clip", "1.001", "--tis-clip-low", "0.999")),
+                        ("drgrpo", ("--loss-agg-mode", "seq-mean-token-sum-norm"))):
+        train(assets, d, name, *extra)
+    return d
+
+
+@pytest.mark.parametrize("name,base,extra", [
+    ("custom_loss", "base", ("--loss-type", "custom_loss", "--custom-loss-function-path", FNS + "ppo_loss")),
+    ("custom_tis", "tis", ("--use-tis", "--tis-clip", "1.001", "--tis-clip-low", "0.999",
+                           "--custom-tis-function-path", FNS + "vanilla_tis")),
+    ("reducer", "base", ("--custom-pg-loss-reducer-function-path", FNS + "sample_mean_reducer")),
+    ("drgrpo_reducer", "drgrpo", ("--custom-pg-loss-reducer-function-path", FNS + "constant_divisor_reducer")),
+    ("rewards", "base", ("--custom-reward-post-process-path", FNS + "grpo_rewards")),
+])
+def test_user_function_trains_like_furlongs_own(assets, runs, name, base, extra):
+    train(assets, runs, name, *extra)
+    assert_same_training(assets, runs, base, name)
+
+
+@pytest.mark.parametrize("extra,needles", [
+    (("--loss-type", "custom_loss", "--custom-loss-function-path", FNS + "loss_returning_text"),
+     ["--custom-loss-function-path", "loss_returning_text", "must return (loss, metrics"]),
+    (("--loss-type", "custom_loss", "--custom-loss-function-path", FNS + "loss_with_unknown_metric"),
+     ["loss_with_unknown_metric", "'my_metric'"]),
+    (("--use-tis", "--custom-tis-function-path", FNS + "tis_dropping_masks"),
+     ["--custom-tis-function-path", "tis_dropping_masks", "loss_masks"]),
+    (("--custom-reward-post-process-path", FNS + "rewards_too_short"),
+     ["--custom-reward-post-process-path", "rewards_too_short", "expected a list of 4"]),
+    (("--custom-tis-function-path", FNS + "vanilla_tis"), ["--custom-tis-function-path", "needs --use-tis"]),
+    (("--custom-loss-function-path", FNS + "ppo_loss"), ["--loss-type", "custom_loss"]),
+    (("--custom-pg-loss-reducer-function-path", "tests.no_such_module.f"), ["--custom-pg-loss-reducer-function-path",
+                                                                           "cannot import"]),
+])
+def test_bad_user_function_is_one_line(assets, tmp_path, capsys, extra, needles):
+    code, _, err = run_cli(argv(assets, tmp_path / "run", *extra), capsys)
+    assert code == 2
+    one_line(err, *needles)
+
+
+@pytest.mark.parametrize("name,extra", [
+    ("loss_negated", ("--loss-type", "custom_loss", "--custom-loss-function-path", FNS + "ppo_loss_negated")),
+    ("tis_zero", ("--use-tis", "--custom-tis-function-path", FNS + "tis_zero")),
+    ("first_tokens", ("--custom-pg-loss-reducer-function-path", FNS + "first_tokens_reducer")),
+    ("rewards_reversed", ("--custom-reward-post-process-path", FNS + "reversed_rewards")),
+])
+def test_user_function_that_changes_the_objective_changes_the_training(assets, runs, name, extra):
+    train(assets, runs, name, *extra)
+    w, base, start = weights(assets, runs / f"{name}_ck"), weights(assets, runs / "base_ck"), weights_start(assets)
+    assert any(not torch.allclose(w[k], base[k], rtol=1e-4, atol=1e-6) for k in w)
+    if name == "tis_zero":   # no policy term: nothing moves
+        assert all(torch.equal(w[k], start[k]) for k in w)

@@ -91,7 +91,7 @@ def check_reference(cfg: Config, args: ModelArgs, resume: CheckpointChoice | Non
                                what=f"{choice.path} (--ref-load)")
     if ref.ref_ckpt_step is not None:
         raise ValueError(f"--ref-ckpt-step: {path} is not a furlong --save directory (no {TRACKER})")
-    if not (path / "config.json").is_file():
+    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
         raise ValueError(f"--ref-load: {path} is neither an HF folder (config.json + *.safetensors) nor a furlong "
                          f"--save directory ({TRACKER})")
     try:
