@@ -150,7 +150,7 @@ class OptimConfig:
     lr_warmup_fraction: float | None = flag(None, "warm-up as a fraction of --lr-decay-iters (wins over --lr-warmup-iters)")
     lr_warmup_init: float = flag(0.0, "learning rate at the start of the warm-up")
     lr_wsd_decay_style: str = flag("exponential", "--lr-decay-style WSD: the final decay's shape: exponential | "
-                                   "linear | cosine | minus_sqrt")
+                                   "linear | cosine | minus_sqrt", miles="default exponential, Megatron's")
     lr_wsd_decay_iters: int | None = flag(None, "--lr-decay-style WSD: optimizer steps of the final decay")
     lr_decay_iters: int | None = flag(None, "decay length in optimizer steps (default: whole run)")
     weight_decay: float = flag(0.0, "AdamW weight decay")

@@ -31,19 +31,25 @@ if TYPE_CHECKING:
 @dataclass
 class ReferenceFlags:
     ref_load: str | None = flag(None, "reference model of --use-kl-loss / --kl-coef: an HF folder or a furlong --save "
-                                      "directory (default: --hf-checkpoint)")
+                                      "directory (default: --hf-checkpoint)",
+                                miles="an HF folder or a furlong --save directory; a Megatron torch_dist directory is "
+                                      "refused with one line")
     ref_ckpt_step: int | None = flag(None, "with a furlong --ref-load directory: its iteration N (default: the latest)")
     ref_update_interval: int | None = flag(None, "every N rollouts the reference becomes the actor's current weights "
-                                                 "(after rollouts N, 2N, ...)")
+                                                 "(after rollouts N, 2N, ...)",
+                                           miles="a resume restores the reference of the last update (miles: --ref-load "
+                                                 "again)")
     reset_optimizer_states: bool = flag(False, "zero the optimizer's moments and step counts before each rollout's "
-                                               "training (actor and critic; the LR schedule goes on)")
+                                               "training (actor and critic; the LR schedule goes on)",
+                                        miles="as miles' Megatron backend (its FSDP backend ignores it)")
 
 
 @dataclass
 class RunLengthFlags:
     num_epoch: int | None = flag(None, "train: passes over the prompts when --num-rollout is not given (num_rollout = "
                                        "num_epoch * prompts // --rollout-batch-size); sft: passes over the data "
-                                       "(default 1)")
+                                       "(default 1)",
+                                miles="neither --num-epoch nor --num-rollout: 1 rollout (miles refuses)")
     start_rollout_id: int | None = flag(None, "first rollout id (default: 0, or the one after the --load checkpoint's, "
                                               "which this flag overrides)")
 
@@ -52,22 +58,32 @@ class RunLengthFlags:
 class CustomFunctionFlags:
     """User functions of the loss and the rewards (algorithms/custom_loss.py, run/reward_post_process.py
     give their signatures; docs/miles_flags.md repeats them)."""
-    loss_type: str = flag("policy_loss", "policy_loss | custom_loss (--custom-loss-function-path)")
+    loss_type: str = flag("policy_loss", "policy_loss | custom_loss (--custom-loss-function-path)",
+                          miles="policy_loss or custom_loss (sft_loss: furlong sft)")
     custom_loss_function_path: str | None = flag(
-        None, "--loss-type custom_loss: fn(args, batch: MicroBatch, log_probs [T], entropy [T], sum_of_sample_mean) "
-              "-> (loss, dict of metrics) (module path)")
+        None, "--loss-type custom_loss: fn(args, batch, log_probs, entropy, sum_of_sample_mean) -> (loss, metrics "
+              "dict); per-sample lists of [R_i] tensors (module path; algorithms/custom_loss.py)",
+        miles="fn(args, batch, log_probs, entropy, sum_of_sample_mean) -> (loss, metrics): per-sample log-probs "
+              "[R_i] of the sampled tokens instead of logits; metrics named like train/* (algorithms/custom_loss.py)")
     custom_tis_function_path: str | None = flag(
-        None, "--use-tis: fn(args, *, pg_loss [T], train_log_probs [T], rollout_log_probs [T], loss_masks [T], "
-              "**kw) -> (pg_loss [T], loss_masks [T], metrics dict) replacing the TIS weights (module path)")
+        None, "--use-tis: fn(args, *, pg_loss [R], train_log_probs, rollout_log_probs, loss_masks (lists of [R_i]), "
+              "**kw) -> (pg_loss [R], loss_masks, metrics dict) in place of the TIS weights (module path)",
+        miles="fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, "
+              "parallel_state=None, max_seq_lens=None) -> (pg_loss, loss_masks, metrics); needs --use-tis; metrics "
+              "checked, not logged")
     custom_pg_loss_reducer_function_path: str | None = flag(
         None, "fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer(pg [R]) -> "
-              "scalar: the policy term's aggregation (module path)")
+              "scalar: the policy term's aggregation (module path)",
+        miles="fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer(pg [R]) -> "
+              "scalar, per micro-batch; scaled by 1 / global batch (per-token: 1 / the step's loss tokens)")
     custom_reward_post_process_path: str | None = flag(
         None, "fn(args, samples: list[Sample]) -> (raw_rewards, rewards): the rewards the advantages use, in place "
-              "of the group normalization (module path)")
+              "of the group normalization (module path)",
+        miles="fn(args, samples) -> (raw_rewards, rewards) with furlong's Sample objects; raw_rewards not logged")
     custom_config_path: str | None = flag(
         None, "YAML file (or base64:<payload>) of flag values keyed by flag name with underscores; flags given on "
-              "the command line win")
+              "the command line win",
+        miles="the command line wins (miles: the file); every key must be a flag (miles: any key)")
 
 
 def num_rollouts(cfg: Config) -> int:
