@@ -157,3 +157,17 @@ def test_wsd_needs_its_decay_iters():
     with pytest.raises(ValueError, match="--lr-wsd-decay-style"):
         build_lr_scheduler(build_optimizer([p], OptimConfig()),
                            OptimConfig(lr_decay_style="WSD", lr_wsd_decay_iters=2, lr_wsd_decay_style="step"), 10)
+
+
+def test_reset_optimizer_state_zeroes_adam():
+    """--reset-optimizer-states: Trainer.reset_optimizer_state leaves AdamW as build_optimizer made it."""
+    from furlong.trainer.base import Trainer
+    p = torch.nn.Parameter(torch.ones(2, 2))
+    holder = Trainer.__new__(Trainer)   # only the optimizer is needed
+    holder.optimizer = build_optimizer([p], OptimConfig(lr=0.1))
+    p.grad = torch.ones(2, 2)
+    holder.optimizer.step()
+    state = holder.optimizer.state[p]
+    assert state["step"] == 1 and state["exp_avg"].abs().sum() > 0
+    holder.reset_optimizer_state()
+    assert state["step"] == 0 and state["exp_avg"].abs().sum() == 0 and state["exp_avg_sq"].abs().sum() == 0

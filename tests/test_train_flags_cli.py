@@ -230,21 +230,6 @@ def test_reset_optimizer_states(assets, tmp_path):
     assert unit_moves("keep") < 0.5
 
 
-def test_reset_optimizer_state_zeroes_adam():
-    from furlong.config import OptimConfig
-    from furlong.trainer.base import Trainer
-    from furlong.trainer.optimizer import build_optimizer
-    p = torch.nn.Parameter(torch.ones(2, 2))
-    holder = Trainer.__new__(Trainer)   # only the optimizer is needed
-    holder.optimizer = build_optimizer([p], OptimConfig(lr=0.1))
-    p.grad = torch.ones(2, 2)
-    holder.optimizer.step()
-    state = holder.optimizer.state[p]
-    assert state["step"] == 1 and state["exp_avg"].abs().sum() > 0
-    holder.reset_optimizer_state()
-    assert state["step"] == 0 and state["exp_avg"].abs().sum() == 0 and state["exp_avg_sq"].abs().sum() == 0
-
-
 # ------------------------------------------------------------------ user loss and reward functions
 
 @pytest.fixture(scope="module")
