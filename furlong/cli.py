@@ -13,6 +13,8 @@ from typing import Sequence
 from furlong.cli_flags import UsageError, _Parser, add_config_flags, config_from_namespace
 from furlong.config import Config
 from furlong.config_checks import sglang_flags_set, validate
+from furlong.config_train_flags import start_notes
+from furlong.flag_file import apply_flag_file
 
 EXIT_USAGE = 2
 MAX_SYNTHETIC_ROWS = 10_000_000   # `prepare synthetic` builds every row in memory (~1 GB at this size)
@@ -22,7 +24,7 @@ def parse_config(argv: Sequence[str], command: str = "train", reward_given: bool
     """Flags -> validated Config (raises UsageError / ValueError); `reward_given`: see validate."""
     parser = _Parser(prog=f"furlong {command}", add_help=False)
     add_config_flags(parser, command)
-    cfg = config_from_namespace(parser.parse_args(list(argv)))
+    cfg = config_from_namespace(apply_flag_file(parser.parse_args(list(argv)), command))
     validate(cfg, command, reward_given)
     return cfg
 
@@ -118,7 +120,8 @@ def _run(argv: list[str]) -> int:
             print(f"furlong: note: {' '.join(notes)} only tune SGLang and do not apply to the built-in engine",
                   file=sys.stderr)
         from furlong.config_debug_flags import start_up_notes
-        for note in start_up_notes(cfg):
+        notes = start_up_notes(cfg) + (start_notes(cfg) if command == "train" else [])
+        for note in notes:
             print(f"furlong: note: {note}", file=sys.stderr)
         if cfg.rollout.rollout_num_gpus_per_engine > 1:
             print(f"furlong: note: --rollout-num-gpus-per-engine {cfg.rollout.rollout_num_gpus_per_engine}: the "

@@ -72,7 +72,8 @@ GROUP_TITLES = {"data": "data and model", "sft": "furlong sft only", "log": "out
                 "ckpt": "checkpoints", "algo": "algorithm", "optim": "optimizer", "batch": "batching and memory",
                 "parallel": "processes and devices", "lora": "LoRA (adapters on a frozen base)",
                 "eval_set": "eval sets", "reward_mode": "reward calls", "metrics": "extra metrics",
-                "tracking": "wandb and TensorBoard", "debug": "debugging"}
+                "tracking": "wandb and TensorBoard", "debug": "debugging",
+                "ref": "reference model and optimizer state", "length": "run length", "custom": "user loss and reward functions"}
 
 
 def _metavar(f: dataclasses.Field, base: str) -> str:
@@ -113,11 +114,11 @@ _EVAL_ROLLOUT = {"num_rollout", "rollout_batch_size", "n_samples_per_prompt", "o
                  "mask_offpolicy_in_partial_rollout"}
 COMMAND_FLAGS: dict[str, dict[str, set[str]]] = {
     "train": {g: set() for g in ("data", "reward", "rollout", "eval", "algo", "optim", "batch", "parallel", "ckpt",
-                                 "log", "lora", "eval_set", "reward_mode", "metrics", "tracking", "debug")},
+                                 "log", "lora", "eval_set", "reward_mode", "metrics", "tracking", "debug", "ref", "length", "custom")},
     "sft": {"data": {"label_key", "apply_chat_template", "rollout_shuffle", "rollout_seed", "rollout_max_prompt_len",
                      "apply_chat_template_kwargs", "tool_key", "metadata_key"},
             "optim": set(), "batch": {"num_steps_per_rollout", "update_weight_buffer_size"}, "parallel": set(),
-            "ckpt": {"save_interval", "load", "ckpt_step"}, "sft": set(),
+            "ckpt": {"save_interval", "load", "ckpt_step"}, "sft": set(), "length": {"start_rollout_id"},
             "log": {"use_tensorboard", "use_wandb", "wandb_project", "wandb_group", "wandb_key",
                     "disable_wandb_random_suffix", "save_debug_rollout_data", "ci_test", "ci_disable_kl_checker",
                     "ci_metric_checker_key", "ci_metric_checker_threshold"}, "tracking": set()},

@@ -45,7 +45,7 @@ class RewardFlags:
 
 @dataclass
 class RolloutFlags:
-    num_rollout: int = flag(1, "number of rollout/train steps")
+    num_rollout: int | None = flag(None, "number of rollout/train steps (default: from --num-epoch, else 1)")
     rollout_batch_size: int = flag(8, "prompt groups kept per rollout")
     n_samples_per_prompt: int = flag(1, "responses generated per prompt")
     rollout_max_response_len: int = flag(1024, "max generated tokens per response")
@@ -141,8 +141,13 @@ class OptimConfig:
     optimizer: str = flag("adam", "adam (AdamW)")
     lr: float = flag(1e-6, "learning rate")
     min_lr: float = flag(0.0, "floor of the decayed learning rate")
-    lr_decay_style: str = flag("constant", "constant | linear | cosine")
+    lr_decay_style: str = flag("constant", "constant | linear | cosine | inverse-square-root | WSD")
     lr_warmup_iters: int = flag(0, "warm-up optimizer steps")
+    lr_warmup_fraction: float | None = flag(None, "warm-up as a fraction of --lr-decay-iters (wins over --lr-warmup-iters)")
+    lr_warmup_init: float = flag(0.0, "learning rate at the start of the warm-up")
+    lr_wsd_decay_style: str = flag("exponential", "--lr-decay-style WSD: the final decay's shape: exponential | "
+                                   "linear | cosine | minus_sqrt", miles="default exponential, Megatron's")
+    lr_wsd_decay_iters: int | None = flag(None, "--lr-decay-style WSD: optimizer steps of the final decay")
     lr_decay_iters: int | None = flag(None, "decay length in optimizer steps (default: whole run)")
     weight_decay: float = flag(0.0, "AdamW weight decay")
     adam_beta1: float = flag(0.9, "Adam beta1")
@@ -225,11 +230,11 @@ class LoraFlags:
 
 @dataclass
 class SftFlags:
-    num_epoch: int = flag(1, "SFT: passes over the data")
     sft_max_len: int = flag(2048, "SFT: truncate samples to this many tokens")
 
 
 from furlong.config_debug_flags import DebugFlags, EvalSetFlags, MetricFlags, RewardModeFlags, TrackingFlags  # noqa: E402
+from furlong.config_train_flags import CustomFunctionFlags, ReferenceFlags, RunLengthFlags  # noqa: E402
 
 
 @dataclass
@@ -251,6 +256,9 @@ class Config:
     metrics: MetricFlags = field(default_factory=MetricFlags)
     tracking: TrackingFlags = field(default_factory=TrackingFlags)
     debug: DebugFlags = field(default_factory=DebugFlags)
+    ref: ReferenceFlags = field(default_factory=ReferenceFlags)
+    length: RunLengthFlags = field(default_factory=RunLengthFlags)
+    custom: CustomFunctionFlags = field(default_factory=CustomFunctionFlags)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

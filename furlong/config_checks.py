@@ -13,6 +13,7 @@ import math
 
 from furlong.config import Config, RolloutFlags
 from furlong.config_debug_flags import check_debug_flags
+from furlong.config_train_flags import check_train_flags
 from furlong.lora_flags import check_lora_flags
 
 
@@ -66,7 +67,7 @@ def validate(cfg: Config, command: str = "train", reward_given: bool = False) ->
     _need(not (r.partial_rollout and (r.custom_generate_function_path or r.rollout_function_path)), "--partial-rollout",
           "not supported with --custom-generate-function-path or --rollout-function-path (a custom generate "
           "function has no resume contract; miles refuses it there too)")
-    _need(r.num_rollout >= 0, "--num-rollout", "must be >= 0")
+    _need(r.num_rollout is None or r.num_rollout >= 0, "--num-rollout", "must be >= 0")
     _need(r.rollout_batch_size >= 1, "--rollout-batch-size", "must be >= 1")
     _need(r.n_samples_per_prompt >= 1, "--n-samples-per-prompt", "must be >= 1")
     _need(r.rollout_max_response_len >= 1, "--rollout-max-response-len", "must be >= 1")
@@ -131,8 +132,8 @@ def validate(cfg: Config, command: str = "train", reward_given: bool = False) ->
     _need(a.eps_clip_c is None or a.eps_clip_c > 1, "--eps-clip-c", "must be > 1")
     _need(a.tis_clip > 0, "--tis-clip", "must be > 0")
     _need(o.optimizer == "adam", "--optimizer", f"unknown optimizer {o.optimizer!r} (adam)")
-    _need(o.lr_decay_style in ("constant", "linear", "cosine"), "--lr-decay-style",
-          f"unknown style {o.lr_decay_style!r} (constant, linear, cosine)")
+    styles = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+    _need(o.lr_decay_style in styles, "--lr-decay-style", f"unknown style {o.lr_decay_style!r} ({', '.join(styles)})")
     _check_optim(cfg)
     _need(b.micro_batch_size >= 1, "--micro-batch-size", "must be >= 1")
     _need(b.global_batch_size is None or b.global_batch_size >= 1, "--global-batch-size", "must be >= 1")
@@ -162,7 +163,7 @@ def validate(cfg: Config, command: str = "train", reward_given: bool = False) ->
     _need(cfg.ckpt.ckpt_step is None or cfg.ckpt.load is not None, "--ckpt-step", "needs --load")
     _need(cfg.ckpt.ckpt_step is None or cfg.ckpt.ckpt_step >= 1, "--ckpt-step", "must be >= 1")
     if command == "train":
-        _need(r.num_rollout >= 1 or has_evals, "--num-rollout",
+        _need(r.num_rollout != 0 or has_evals, "--num-rollout",
               "0 trains nothing (give --eval-prompt-data for an eval-only run)")
         kept = r.rollout_batch_size * r.n_samples_per_prompt   # the rollout keeps exactly this many samples
         _need(b.num_steps_per_rollout is not None or b.global_batch_size is None or kept % b.global_batch_size == 0,
@@ -183,9 +184,9 @@ def validate(cfg: Config, command: str = "train", reward_given: bool = False) ->
     if cfg.log.ci_test:
         _need(cfg.log.ci_metric_checker_key is not None, "--ci-metric-checker-key", "required with --ci-test")
         _need(cfg.log.ci_metric_checker_threshold is not None, "--ci-metric-checker-threshold", "required with --ci-test")
-    _need(cfg.sft.num_epoch >= 1, "--num-epoch", "must be >= 1")
     check_lora_flags(cfg)
     check_debug_flags(cfg)
+    check_train_flags(cfg)
     _check_seeds_and_names(cfg)
 
 
@@ -202,6 +203,13 @@ def _check_optim(cfg: Config) -> None:
     _need(math.isfinite(o.weight_decay) and o.weight_decay >= 0, "--weight-decay",
           f"must be a finite number >= 0, got {o.weight_decay}")
     _need(o.lr_warmup_iters >= 0, "--lr-warmup-iters", f"must be >= 0, got {o.lr_warmup_iters}")
+    _need(o.lr_warmup_fraction is None or 0 <= o.lr_warmup_fraction < 1, "--lr-warmup-fraction",
+          f"must be in [0, 1), got {o.lr_warmup_fraction}")
+    _need(0 <= o.lr_warmup_init <= o.lr, "--lr-warmup-init", f"must be in [0, --lr {o.lr}], got {o.lr_warmup_init}")
+    _need(o.lr_decay_style != "WSD" or (o.lr_wsd_decay_iters or 0) >= 1, "--lr-wsd-decay-iters",
+          "--lr-decay-style WSD needs it (>= 1: the optimizer steps of the final decay)")
+    wsd = ("exponential", "linear", "cosine", "minus_sqrt")
+    _need(o.lr_wsd_decay_style in wsd, "--lr-wsd-decay-style", f"unknown style {o.lr_wsd_decay_style!r} ({', '.join(wsd)})")
     _need(o.lr_decay_iters is None or o.lr_decay_iters >= 1, "--lr-decay-iters",
           f"must be >= 1, got {o.lr_decay_iters}")
     _need(math.isfinite(o.clip_grad) and o.clip_grad >= 0, "--clip-grad", f"must be a finite number >= 0 (0: off)")

@@ -22,6 +22,7 @@ from furlong.algorithms.shaping import ShapingConfig
 from furlong.checkpoint.run import CheckpointConfig
 from furlong.config import Config
 from furlong.config_checks import chat_template_kwargs
+from furlong.config_train_flags import num_rollouts
 from furlong.engine.engine import EngineConfig
 from furlong.engine.sampling import SamplingParams
 from furlong.models.lora import LoraConfig
@@ -32,6 +33,7 @@ from furlong.rollout.rollout import RolloutConfig
 from furlong.run.debug_data import DebugConfig, debug_config
 from furlong.run.reward_metrics import RewardLogConfig
 from furlong.run.step import LogProbPasses, log_prob_passes
+from furlong.run.user_functions import load_loss_functions
 from furlong.trainer.actor import Actor
 from furlong.trainer.critic import Critic
 from furlong.trainer.trainer_config import BatchingConfig, ShardConfig
@@ -59,6 +61,8 @@ class RunConfig:
     debug: DebugConfig = DebugConfig()                                # miles' debug modes (run/debug_data.py)
     reward_logs: RewardLogConfig = RewardLogConfig()                  # --log-passrate, --log-reward-category
     mismatch_metrics: bool = False                                    # --get-mismatch-metrics
+    ref_update_interval: int | None = None   # the reference takes the actor's weights every N rollouts
+    reset_optimizer_states: bool = False     # zero the trainers' optimizer state before each rollout's training
 
     def with_max_tokens(self, max_tokens_per_gpu: int) -> RunConfig:
         """This config with the micro-batch token budget the memory probe chose ('auto')."""
@@ -92,7 +96,7 @@ def loss_config(cfg: Config) -> LossConfig:
                       eps_clip_c=a.eps_clip_c, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
                       kl_loss_type=a.kl_loss_type, entropy_coef=a.entropy_coef, use_tis=a.use_tis,
                       tis_clip=a.tis_clip, tis_clip_low=a.tis_clip_low, use_unbiased_kl=a.use_unbiased_kl,
-                      sequence_ratio=a.advantage_estimator == "gspo")
+                      sequence_ratio=a.advantage_estimator == "gspo", user=load_loss_functions(cfg))
 
 
 def _kept_samples(cfg: Config) -> int:
@@ -109,7 +113,7 @@ def actor_config(cfg: Config, total_steps: int | None = None) -> Actor.Config:
     ppo actor sits out (--num-critic-only-steps) so that a decaying LR still reaches --min-lr."""
     a = cfg.algo
     if total_steps is None:
-        total_steps = _run_steps(cfg, cfg.rollout.num_rollout - a.num_critic_only_steps)
+        total_steps = _run_steps(cfg, num_rollouts(cfg) - a.num_critic_only_steps)
     return Actor.Config(shard=shard_config(cfg), optim=cfg.optim, loss=loss_config(cfg),
                         temperature=cfg.rollout.rollout_temperature, use_ref_model=a.use_kl_loss or a.kl_coef > 0,
                         total_steps=total_steps, lora=lora_config(cfg))
@@ -127,12 +131,13 @@ def lora_config(cfg: Config) -> LoraConfig | None:
 
 def critic_config(cfg: Config, total_steps: int | None = None) -> Critic.Config:
     """The critic's optimizer is the actor's (--optimizer, betas, weight decay, --clip-grad, decay
-    style) with --critic-lr (default --lr) and --critic-lr-warmup-iters swapped in, as miles does."""
+    style) with --critic-lr (default --lr) and --critic-lr-warmup-iters swapped in, as miles does
+    (--lr-warmup-fraction is the actor's)."""
     a = cfg.algo
     optim = dataclasses.replace(cfg.optim, lr=cfg.optim.lr if a.critic_lr is None else a.critic_lr,
-                                lr_warmup_iters=a.critic_lr_warmup_iters)
+                                lr_warmup_iters=a.critic_lr_warmup_iters, lr_warmup_fraction=None)
     return Critic.Config(shard=shard_config(cfg), optim=optim, value_clip=a.value_clip,
-                         total_steps=_run_steps(cfg, cfg.rollout.num_rollout) if total_steps is None else total_steps,
+                         total_steps=_run_steps(cfg, num_rollouts(cfg)) if total_steps is None else total_steps,
                          head_seed=cfg.parallel.seed)
 
 
@@ -143,7 +148,9 @@ def advantage_config(cfg: Config) -> AdvantageConfig:
     whiten = a.normalize_advantages or a.advantage_estimator.startswith("reinforce_plus_plus")
     return AdvantageConfig(estimator=a.advantage_estimator, whiten=whiten, kl_type=a.kl_loss_type,
                            normalize_std=not a.disable_grpo_std_normalization,
-                           normalize_rewards=not a.disable_rewards_normalization, kl_coef=a.kl_coef,
+                           # a reward post-process function replaces miles' group normalization (reward_post_process.py)
+                           normalize_rewards=not a.disable_rewards_normalization
+                           and cfg.custom.custom_reward_post_process_path is None, kl_coef=a.kl_coef,
                            gamma=a.gamma, lambd=a.lambd)
 
 
@@ -221,7 +228,7 @@ def run_config(cfg: Config) -> RunConfig:
     if debug.rollout_only:   # nothing trains, so nothing is saved (miles)
         checkpoint = dataclasses.replace(checkpoint, save=None, critic_save=None)
     return RunConfig(
-        num_rollout=cfg.rollout.num_rollout, rollout=rollout_config(cfg), eval=eval_config(cfg),
+        num_rollout=num_rollouts(cfg), rollout=rollout_config(cfg), eval=eval_config(cfg),
         steps=batching_config(cfg), shaping=shaping_config(cfg), advantages=advantage_config(cfg),
         passes=passes_config(cfg), checkpoint=checkpoint, num_critic_only_steps=a.num_critic_only_steps,
         update_weight_buffer_size=cfg.batch.update_weight_buffer_size,
@@ -231,7 +238,8 @@ def run_config(cfg: Config) -> RunConfig:
         ci_check_kl=lg.ci_test and not lg.ci_disable_kl_checker and not a.use_rollout_logprobs,
         max_nonfinite_skips=cfg.optim.max_nonfinite_skips, generate=generate_config(cfg), debug=debug,
         reward_logs=RewardLogConfig(cfg.metrics.log_passrate, cfg.metrics.log_reward_category),
-        mismatch_metrics=cfg.metrics.get_mismatch_metrics)
+        mismatch_metrics=cfg.metrics.get_mismatch_metrics,
+        ref_update_interval=cfg.ref.ref_update_interval, reset_optimizer_states=cfg.ref.reset_optimizer_states)
 
 
 # miles' default --rollout-seed minus its default --seed: with neither flag given, runs draw as miles' do

@@ -111,7 +111,7 @@ MILES_FLAGS: dict[str, tuple[str, ...]] = {   # miles group -> its flags, sorted
         "--use-distributed-optimizer", "--use-precision-aware-optimizer", "--vocab-size",
     ),
     "misc": (
-        "--no-sglang-lora-use-virtual-experts",
+        "--custom-config-path", "--no-sglang-lora-use-virtual-experts",
     ),
     "mlflow": (
         "--mlflow-experiment-name", "--mlflow-run-id", "--mlflow-run-name", "--mlflow-tracking-uri", "--use-mlflow",

@@ -99,9 +99,10 @@ def answer(flag: str, defined: dict[str, dataclasses.Field]) -> tuple[str, str]:
         return "accepted, ignored", "tunes SGLang only; noted once at start-up as not applying to the built-in engine"
     if f is not None and f.metadata.get("ignored"):
         return "accepted, ignored", f"{f.metadata['ignored']}; noted once at start-up"
-    if f is not None:
+    if f is not None:   # a field's `miles` note says where furlong's reading departs from miles'
         canonical = "--" + f.name.replace("_", "-")
-        return "accepted", "" if canonical == flag else f"alias of {canonical}"
+        notes = ([] if canonical == flag else [f"alias of {canonical}"]) + [f.metadata.get("miles", "")]
+        return "accepted", "; ".join(n for n in notes if n)
     r = refusal_for(flag)
     return "refused", r.reason if r is UNSUPPORTED else f"{r.category}: {r.reason}"
 

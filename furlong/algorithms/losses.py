@@ -39,6 +39,7 @@ from typing import Callable
 
 import torch
 
+from furlong.algorithms.custom_loss import UserLossFunctions, user_pg_term, user_tis
 from furlong.types import MicroBatch, WeightedSums
 
 
@@ -149,6 +150,7 @@ class LossConfig:
     tis_clip_low: float
     use_unbiased_kl: bool
     sequence_ratio: bool                 # GSPO
+    user: UserLossFunctions | None = None   # user TIS / pg reducer / custom loss (algorithms/custom_loss.py)
 
 
 @dataclass
@@ -168,12 +170,13 @@ def _wsum(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def rl_loss(mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor | None,
-            params: LossConfig) -> tuple[torch.Tensor, LossMetrics]:
+            params: LossConfig, slices: list[tuple[int, int]] | None = None) -> tuple[torch.Tensor, LossMetrics]:
     """Micro-batch RL loss (scalar, sum of weighted per-token totals) and its metrics.
 
     log_probs [T] and entropy [T] come from the training forward over mb's
     positions (entropy may be None unless entropy_coef != 0). mb.old_log_probs
-    None means reuse: old = log_probs.detach() (exact with one step per rollout).
+    None means reuse: old = log_probs.detach() (exact with one step per rollout). `slices`: each packed
+    sample's response positions, which the user's TIS function and pg reducer need (custom_loss.py).
     """
     if entropy is None and params.entropy_coef != 0:
         raise ValueError("--entropy-coef: non-zero entropy coefficient needs the entropy of the forward pass")
@@ -195,7 +198,13 @@ def rl_loss(mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor | Non
         log_ratio = sequence_mean_log_ratio(torch.where(live, log_ratio, 0.0), live, mb.cu_seqlens)
     pg, clipfrac, ppo_kl = policy_loss(log_probs, old, mb.advantages, params.eps_clip, params.eps_clip_high,
                                        params.eps_clip_c, log_ratio=log_ratio)
-    if params.use_tis:
+    user = params.user
+    if (user is not None and (user.tis is not None or user.pg_reducer is not None)) and slices is None:
+        raise ValueError("rl_loss: the user's TIS function or pg reducer needs the response slices")
+    user_mask = torch.ones_like(pg)      # a user TIS function's loss masks (1: the token keeps its terms)
+    if params.use_tis and user is not None and user.tis is not None:
+        pg, user_mask = user_tis(user, mb, slices, pg, old, rollout)
+    elif params.use_tis:
         pg = pg * tis_weights(old, rollout, params.tis_clip, params.tis_clip_low)
     total = pg
     extra = torch.zeros_like(pg)         # the KL and entropy terms alone (Dr.GRPO weighs them apart)
@@ -212,7 +221,12 @@ def rl_loss(mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor | Non
     if params.entropy_coef != 0:
         total = total - params.entropy_coef * entropy
         extra = extra - params.entropy_coef * entropy
-    if mb.metric_weight is None:
+    if user is not None and user.tis is not None:   # its masks drop tokens from every term (miles' reducer)
+        total, extra = total * user_mask, extra * user_mask
+    if user is not None and user.pg_reducer is not None:   # the policy term under the user's reducer
+        pg_term = user_pg_term(user, mb, slices, torch.where(live, pg, 0.0), user_mask, wm)
+        loss = pg_term + (torch.where(live, extra, 0.0) * wm).sum()
+    elif mb.metric_weight is None:
         loss = (torch.where(live, total, 0.0) * w).sum()
     else:   # the policy term under the reducer's weights, the KL/entropy terms as plain means
         loss = (torch.where(live, pg, 0.0) * w).sum() + (torch.where(live, extra, 0.0) * wm).sum()

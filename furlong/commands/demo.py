@@ -263,7 +263,7 @@ def run_demo(output_dir: str | None = None, seed: int = 0, quick: bool = False,
         sft.optim.adam_beta2 = 0.98
         sft.batch.global_batch_size = scale.sft_batch
         sft.batch.use_dynamic_batch_size, sft.batch.max_tokens_per_gpu = True, "8192"
-        sft.sft.num_epoch = scale.sft_epochs
+        sft.length.num_epoch = scale.sft_epochs
         sft.parallel.device, sft.parallel.seed = scale.device, seed
         sft.ckpt.save = str(out / "sft_model")
         sft.log.output_dir = str(out / "sft")

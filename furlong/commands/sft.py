@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from furlong.config import Config
+from furlong.config_train_flags import sft_epochs
 from furlong.run.metrics import MetricsLogger, Progress, format_duration
 from furlong.launch.signals import StopRequest
 from furlong.seeding import seed_everything
@@ -109,7 +110,7 @@ def run_sft(cfg: Config, ctx: DistContext) -> int:
     # the actor splits each step by the batch it is handed: give it the clamped size, not the flag's
     cfg = dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, global_batch_size=gbs))
     steps_per_epoch = len(samples) // gbs
-    total = steps_per_epoch * cfg.sft.num_epoch
+    total = steps_per_epoch * sft_epochs(cfg)
     seed_everything(cfg.parallel.seed)
     actor = Actor(load_pretrained(ckpt, dtype=torch.float32, device=ctx.device),
                   actor_config(cfg, total_steps=total), ctx, loss="sft")
@@ -131,7 +132,7 @@ def run_sft(cfg: Config, ctx: DistContext) -> int:
     logger.close()
     if signum:
         if ctx.rank == 0:
-            print(f"furlong: sft stopped by signal {signum} after step {done}/{steps_per_epoch * cfg.sft.num_epoch}"
+            print(f"furlong: sft stopped by signal {signum} after step {done}/{steps_per_epoch * sft_epochs(cfg)}"
                   + (f"; its weights are in {cfg.ckpt.save}" if cfg.ckpt.save else ""), file=sys.stderr, flush=True)
         return 128 + signum
     return 0
@@ -141,11 +142,11 @@ def _steps(cfg: Config, ctx: DistContext, actor: Actor, steps: BatchingConfig, s
            steps_per_epoch: int,
            logger: MetricsLogger, stop: StopRequest) -> tuple[int, int | None]:
     """The SFT steps: (steps done, None or the signal that stopped them after a whole step)."""
-    total = steps_per_epoch * cfg.sft.num_epoch
+    total = steps_per_epoch * sft_epochs(cfg)
     progress = Progress(total)
     skips = NonFiniteGuard(cfg.optim.max_nonfinite_skips)
     step = 0
-    for epoch in range(cfg.sft.num_epoch):
+    for epoch in range(sft_epochs(cfg)):
         order = list(range(len(samples)))
         random.Random(cfg.parallel.seed + epoch).shuffle(order)   # same order on every rank
         for b in range(steps_per_epoch):

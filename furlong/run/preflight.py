@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Callable
 
 from furlong.config import Config
 from furlong.config_map import rollout_seed
+from furlong.config_train_flags import num_rollouts, resolve_num_rollout
+from furlong.run.reference import ReferenceSource, check_reference
 from furlong.checkpoint.verify import CheckpointChoice, choose_checkpoint
 from furlong.run.identity import RunDirs, plan_run_dirs
 from furlong.types import Prompt, Sample
@@ -122,6 +124,8 @@ class CheckedInputs:
     critic_checkpoint: Path | None             # HF dir the critic starts from (ppo only)
     run_dirs: RunDirs                          # run id, and what a new run clears (run/identity.py)
     functions: RolloutFunctions | None = None  # custom generate / rollout functions (None: none given)
+    config: Config | None = None               # the flags with --num-epoch resolved into --num-rollout
+    reference: ReferenceSource | None = None   # where the frozen reference model's weights come from
 
     def prompts(self) -> list[Prompt]:
         return [p for es in self.eval_sets for p in es.prompts] + (self.dataset.all() if self.dataset is not None else [])
@@ -164,6 +168,9 @@ def check_inputs(cfg: Config, with_actor: bool, user: UserFunctions | None = Non
     if with_actor:
         dataset = PromptDataset(cfg.data.prompt_data, input_key=cfg.data.input_key, label_key=cfg.data.label_key,
                                 shuffle=cfg.data.rollout_shuffle, seed=rollout_seed(cfg), **common)
+        # miles sets num_rollout from the data size (--num-epoch); every later reader sees the resolved value
+        cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(
+            cfg.rollout, num_rollout=resolve_num_rollout(cfg, len(dataset))))
     user_reward = user.reward if user is not None else None
     eval_sets = []
     for sc in set_configs:   # each set's own keys, prompt limit and reward (eval_set_map.py)
@@ -184,9 +191,13 @@ def check_inputs(cfg: Config, with_actor: bool, user: UserFunctions | None = Non
     if cfg.ckpt.load is not None and not nothing_saved_yet(cfg):
         resume = choose_checkpoint(cfg.ckpt.load, cfg.ckpt.ckpt_step, None)
         check_checkpoint_model(resume, args, cfg, with_actor)   # the model's names and shapes, LoRA or not
-        if with_actor and resume.iteration > cfg.rollout.num_rollout:
+        if with_actor and cfg.length.start_rollout_id is None and resume.iteration > cfg.rollout.num_rollout:
             raise ValueError(f"--num-rollout: {cfg.rollout.num_rollout} is below the {resume.iteration} rollouts "
                              f"already done by {resume.path}")
+    start = cfg.length.start_rollout_id
+    if with_actor and start is not None and start >= num_rollouts(cfg):
+        raise ValueError(f"--start-rollout-id: {start} leaves no rollout of --num-rollout {num_rollouts(cfg)} to run")
+    reference = check_reference(cfg, args, resume) if with_actor else None
     out = default_output_dir(cfg)
     check_writable(out, "--output-dir")
     if cfg.ckpt.save is not None:
@@ -199,7 +210,7 @@ def check_inputs(cfg: Config, with_actor: bool, user: UserFunctions | None = Non
     return CheckedInputs(hf_checkpoint=ckpt, model_args=args, tokenizer=tokenizer, max_response_len=max_resp,
                          dataset=dataset, eval_sets=eval_sets, reward_fn=reward_fn, filter_fn=filter_fn,
                          resume=resume, output_dir=out, critic_checkpoint=critic_ckpt, run_dirs=run_dirs,
-                         functions=functions)
+                         functions=functions, config=cfg, reference=reference)
 
 
 def check_run_dirs(cfg: Config, out: Path, with_critic: bool) -> RunDirs:

@@ -82,6 +82,7 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctio
     # 1. inputs (nothing written yet)
     seed_everything(cfg.parallel.seed)   # also LoRA's dropout draws (models/lora.py); a resume restores the saved state
     inputs = check_inputs(cfg, with_actor, user)
+    cfg = inputs.config   # --num-epoch resolved into --num-rollout (the data size decides)
     ckpt, tokenizer, max_resp, resume, out = (inputs.hf_checkpoint, inputs.tokenizer, inputs.max_response_len,
                                               inputs.resume, inputs.output_dir)
     dataset, critic_ckpt = inputs.dataset, inputs.critic_checkpoint
@@ -103,7 +104,10 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctio
         from furlong.trainer.actor import Actor
         # full-parameter: fp32 masters; LoRA: the frozen base in the compute dtype (fsdp.py), adapters fp32
         base_dtype = torch.float32 if cfg.lora.lora_rank == 0 else dtype
-        actor = Actor(load_pretrained(ckpt, dtype=base_dtype, device=device), actor_config(cfg), ctx)
+        from furlong.run.reference import load_reference
+        loss = "custom" if cfg.custom.loss_type == "custom_loss" else "rl"
+        actor = Actor(load_pretrained(ckpt, dtype=base_dtype, device=device), actor_config(cfg), ctx, loss=loss,
+                      ref_model=load_reference(inputs.reference, ckpt, base_dtype, device))
         if critic_ckpt is not None:   # before the probe, which then measures with the critic (and its AdamW state)
             from furlong.trainer.critic import build_critic
             critic = build_critic(critic_config(cfg), ctx, critic_ckpt)
@@ -149,8 +153,10 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctio
         logger.line(give_up_rule(config.rollout, len(dataset), inputs.filter_fn.name))
     if resume is not None and not with_actor:
         logger.line(f"evaluating iteration {resume.iteration} of {cfg.ckpt.load} ({resume.path})")
+    if inputs.reference is not None and not inputs.reference.is_initial:
+        logger.line(f"reference model: {inputs.reference.what}")
 
-    start_rollout = 0
+    start_rollout = cfg.length.start_rollout_id or 0   # --start-rollout-id wins over the checkpoint's (miles)
     paused = None
     if config.rollout.partial_rollout and with_actor:
         from furlong.rollout.partial import PausedGroups
@@ -159,9 +165,10 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctio
         from furlong.checkpoint.run import load_run
         from furlong.trainer.weight_sync import sync_weights
         state = load_run(config.checkpoint, actor, critic, dataset, resume.iteration, paused)
-        start_rollout = state.next_rollout_id
+        if cfg.length.start_rollout_id is None:
+            start_rollout = state.next_rollout_id
         sync_weights(actor.model, engine.model, cfg.batch.update_weight_buffer_size)
-        dropped = logger.cut_back(state.rollout_id)
+        dropped = logger.cut_back(start_rollout - 1)
         logger.line(f"resumed from iteration {resume.iteration} ({state.path}; rollout {state.rollout_id + 1} "
                     f"done); {dropped} metrics line(s) after it dropped from {out / 'metrics.jsonl'}")
     eval_sets = [] if config.debug.train_only else inputs.eval_sets   # replayed rollouts: no eval (miles)

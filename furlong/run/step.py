@@ -9,8 +9,10 @@
     values           the critic's (ppo)
     advantages       the estimator of --advantage-estimator, then whitening (algorithms/advantages.py)
     critic_train     ppo: the critic first, on the values GAE used (miles' order)
-    actor_train      except in the first --num-critic-only-steps rollouts
+    actor_train      except in the first --num-critic-only-steps rollouts (--reset-optimizer-states: the
+                     trainers' optimizer state zeroed first)
     update_weights   the new weights into the engine, in place
+    ref_update       --ref-update-interval N: after every N-th rollout the reference takes the actor's weights
 
 Each stage's wall time is logged as `perf/<stage>_time`; `perf/log_probs_time` is old + ref (the
 name miles' dashboards read). Eval, the metrics line and the checkpoint follow in loop.py.
@@ -36,6 +38,7 @@ from furlong.launch.failure import Position
 from furlong.rollout.rollout import RolloutBatch
 from furlong.run.debug_data import save_train_data
 from furlong.run.reward_metrics import rollout_reward_logs
+from furlong.run.reward_post_process import RewardPostProcess
 from furlong.run.rollout_step import rollout_step
 from furlong.trainer.metrics import TrainMetrics
 from furlong.trainer.trainer_config import BatchingConfig
@@ -109,16 +112,21 @@ class StageClock:
 
 # ------------------------------------------------------------------------------------------ stages
 
-def train_samples(groups: list[Group], shaping: ShapingConfig) -> tuple[list[TrainSample], torch.Tensor]:
+def train_samples(groups: list[Group], shaping: ShapingConfig,
+                  post_process: RewardPostProcess | None = None) -> tuple[list[TrainSample], torch.Tensor]:
     """Kept groups -> TrainSamples (advantages still 0) and shaped rewards [G, n]. A multi-turn sample's
     loss mask (0 on tool/environment tokens) goes with it: the loss weights, token counts, KL and entropy
-    terms all read it (trainer/batching.py, algorithms/losses.py)."""
+    terms all read it (trainer/batching.py, algorithms/losses.py). `post_process`: the user's rewards in
+    place of the samples' own (--custom-reward-post-process-path)."""
     samples = [TrainSample(token_ids=torch.tensor(s.prompt.token_ids + s.response_ids, dtype=torch.long),
                            num_prompt_tokens=len(s.prompt.token_ids), advantages=torch.zeros(len(s.response_ids)),
                            rollout_log_probs=torch.tensor(s.rollout_log_probs, dtype=torch.float32),
                            loss_mask=None if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float32))
                for g in groups for s in g.samples]
     rewards = torch.tensor([[float(s.reward) for s in g.samples] for g in groups], dtype=torch.float32)
+    if post_process is not None and groups:
+        rewards = torch.tensor(post_process([s for g in groups for s in g.samples]),
+                               dtype=torch.float32).reshape(rewards.shape)
     lens = [[len(s.response_ids) for s in g.samples] for g in groups]
     return samples, shaped_rewards(rewards, lens, shaping)
 
@@ -191,7 +199,8 @@ def rl_step(parts: RunParts, rollout_id: int, clock: StageClock) -> StepOutput:
                **rollout_reward_logs(batch.samples, cfg.rollout.n_samples_per_prompt, cfg.reward_logs)}
     if cfg.debug.rollout_only:   # --debug-rollout-only: the step ends with its rollout (run/debug_data.py)
         return StepOutput(batch=batch, samples=[], metrics=metrics, train=None)
-    samples, rewards = clock.run("shaping", train_samples, batch.groups, cfg.shaping)
+    post = parts.functions.reward_post_process if parts.functions is not None else None
+    samples, rewards = clock.run("shaping", train_samples, batch.groups, cfg.shaping, post)
     clock.run("old_log_probs", old_log_probs, samples, actor, cfg.steps, cfg.passes.old)
     if cfg.mismatch_metrics:
         metrics.update(clock.run("mismatch_metrics", mismatch_step, samples, actor, cfg.steps, cfg.passes.old))
@@ -202,11 +211,19 @@ def rl_step(parts: RunParts, rollout_id: int, clock: StageClock) -> StepOutput:
     if cfg.debug.save_train_data is not None:
         save_train_data(cfg.debug.save_train_data, rollout_id, parts.ctx.rank, samples)
     if critic is not None:
+        if cfg.reset_optimizer_states:   # miles (Megatron): fresh moments at the start of every rollout's training
+            critic.reset_optimizer_state()
         metrics.update(clock.run("critic_train", critic.train_step, samples, cfg.steps).to_log())
     train = None
     if rollout_id >= cfg.num_critic_only_steps:   # --num-critic-only-steps: the actor stays frozen until then
+        if cfg.reset_optimizer_states:
+            actor.reset_optimizer_state()
         train = clock.run("actor_train", actor.train_step, samples, cfg.steps)
         if not cfg.debug.train_only:   # replayed rollouts: the engine generates nothing (miles skips it too)
             clock.run("update_weights", sync_weights, actor.model, parts.engine.model, cfg.update_weight_buffer_size)
         metrics.update(train.to_log())
+    n = cfg.ref_update_interval
+    if n is not None and train is not None and actor.ref_model is not None and (rollout_id + 1) % n == 0:
+        # miles: at the end of the actor's train step
+        clock.run("ref_update", actor.update_reference)
     return StepOutput(batch=batch, samples=samples, metrics=metrics, train=train)

@@ -12,7 +12,8 @@ decides which passes run, train_step only trains). The model has no dropout, so
 the two forwards would be identical.
 
 The frozen reference model (for --use-kl-loss) is a copy of the initial
-weights, sharded the same way, never trained. With LoRA (cfg.lora) the base
+weights (or --ref-load's: run/reference.py), sharded the same way, never trained;
+--ref-update-interval copies the actor's weights into it (update_reference). With LoRA (cfg.lora) the base
 weights are frozen and only the adapters train (models/lora.py): the reference
 is the same model with its adapters switched off, no second copy.
 """
@@ -27,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from furlong.algorithms.custom_loss import Slices, custom_loss
 from furlong.algorithms.losses import LossConfig, LossMetrics, rl_loss, sft_loss
 from furlong.config import OptimConfig
 from furlong.models.lora import LoraConfig, adapters_disabled, apply_lora
@@ -43,11 +45,11 @@ from furlong.types import DistContext, MicroBatch, TrainSample
 LOGPROB_CHUNK = 4096  # positions per logits chunk: [4096, V] fp32 is ~2.4 GB at V = 152k
 
 
-def _rl(mb: MicroBatch, logp: torch.Tensor, ent: torch.Tensor | None, cfg: LossConfig):
-    return rl_loss(mb, logp, ent, cfg)
+def _rl(mb: MicroBatch, logp: torch.Tensor, ent: torch.Tensor | None, cfg: LossConfig, slices: Slices):
+    return rl_loss(mb, logp, ent, cfg, slices)
 
 
-def _sft(mb: MicroBatch, logp: torch.Tensor, ent: torch.Tensor | None, cfg: LossConfig):
+def _sft(mb: MicroBatch, logp: torch.Tensor, ent: torch.Tensor | None, cfg: LossConfig, slices: Slices):
     loss = sft_loss(mb, logp)
     m = LossMetrics.zeros(loss.device)
     m.loss = loss.detach().float()
@@ -56,8 +58,9 @@ def _sft(mb: MicroBatch, logp: torch.Tensor, ent: torch.Tensor | None, cfg: Loss
     return loss, m
 
 
-# Actor(loss=...) -> micro-batch objective: (mb, log_probs, entropy, loss config) -> (loss, LossMetrics).
-LOSSES: dict[str, Callable] = {"rl": _rl, "sft": _sft}
+# Actor(loss=...) -> micro-batch objective: (mb, log_probs, entropy, loss config, response slices) -> (loss,
+# LossMetrics). "custom" is --loss-type custom_loss: the user's function, loaded into LossConfig.user.
+LOSSES: dict[str, Callable] = {"rl": _rl, "sft": _sft, "custom": custom_loss}
 
 
 class Actor(Trainer):
@@ -71,14 +74,18 @@ class Actor(Trainer):
         total_steps: int             # optimizer steps of the LR schedule
         lora: LoraConfig | None = None   # adapters on a frozen base (--lora-rank >= 1); None: full-parameter
 
-    def __init__(self, model: torch.nn.Module, cfg: Actor.Config, ctx: DistContext, loss: str = "rl"):
+    def __init__(self, model: torch.nn.Module, cfg: Actor.Config, ctx: DistContext, loss: str = "rl",
+                 ref_model: torch.nn.Module | None = None):
         """`model`: the unsharded policy (any device/dtype; it is sharded in place, fp32 masters).
-        `cfg`: config_map.actor_config(flags) for a run."""
+        `cfg`: config_map.actor_config(flags) for a run. `ref_model`: the unsharded reference when it is
+        not the initial weights (--ref-load, a resumed --ref-update-interval; run/reference.py)."""
         if loss not in LOSSES:
             raise ValueError(f"Actor: unknown loss {loss!r} ({', '.join(LOSSES)})")
         if cfg.lora is not None:   # before sharding (Trainer.__init__): FSDP shards the adapters with their layers
             apply_lora(model, cfg.lora, resolve_targets(model, cfg.lora.target_modules))
-        ref = copy.deepcopy(model) if cfg.use_ref_model and cfg.lora is None else None
+        ref = None
+        if cfg.use_ref_model and cfg.lora is None:
+            ref = copy.deepcopy(model) if ref_model is None else ref_model
         super().__init__(model, cfg.shard, cfg.optim, cfg.total_steps, ctx, "actor")
         self.cfg = cfg
         self.loss_name, self.loss_fn = loss, LOSSES[loss]
@@ -134,17 +141,25 @@ class Actor(Trainer):
         old and reference log-probs are on the samples already (run/step.py), old ones None meaning
         the training forward's own, detached (exact with one optimizer step)."""
         t0 = time.perf_counter()
-        if self.loss_name == "rl" and steps.num_optimizer_steps(len(samples)) > 1 and samples[0].old_log_probs is None:
+        if self.loss_name != "sft" and steps.num_optimizer_steps(len(samples)) > 1 and samples[0].old_log_probs is None:
             raise ValueError("train_step: several optimizer steps per rollout need old log-probs from before the "
                              "first (run/step.py: log_prob_passes)")
         results = self._optimizer_steps(samples, steps, self._micro_loss, LossMetrics)
         return TrainMetrics.of(results, time.perf_counter() - t0)
 
     def _micro_loss(self, mb: MicroBatch, samples: list[TrainSample]) -> tuple[torch.Tensor, LossMetrics]:
-        positions = to_device(response_positions(response_slices(mb, samples)), self.ctx.device)
+        slices = response_slices(mb, samples)
+        positions = to_device(response_positions(slices), self.ctx.device)
         mb = move_micro_batch(mb, self.ctx.device)
         # entropy is always reported; it carries gradient only with --entropy-coef
         logp, ent = self._log_probs(self.model, mb, positions, with_entropy=True)
         if self.cfg.loss.entropy_coef == 0 and ent is not None:
             ent = ent.detach()
-        return self.loss_fn(mb, logp, ent, self.cfg.loss)
+        return self.loss_fn(mb, logp, ent, self.cfg.loss, slices)
+
+    @torch.no_grad()
+    def update_reference(self) -> None:
+        """--ref-update-interval: the reference takes the actor's current weights. Both are sharded alike
+        (same model, same ShardConfig), so each rank copies its own shards: no gather."""
+        for ref, p in zip(self.ref_model.parameters(), self.model.parameters()):
+            ref.copy_(p)

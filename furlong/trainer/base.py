@@ -109,3 +109,11 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return host[:-1], norm, lr
+
+    def reset_optimizer_state(self) -> None:
+        """--reset-optimizer-states: zero AdamW's moments and step counts (Megatron's reset in miles); the
+        LR schedule goes on."""
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    value.zero_()

@@ -5,16 +5,20 @@ Weight decay: applied to weights with >= 2 dims only; biases and norm weights
 parameter; we follow Megatron because decaying RMSNorm gains toward 0 is
 never what is wanted.
 
-Schedule (Megatron's OptimizerParamScheduler semantics), s = optimizer steps
-taken so far (LambdaLR's counter; the first update runs at s = 0):
-    s <= warmup                : lr * s / warmup                 (warmup > 0)
-    s > decay_iters            : min_lr
-    otherwise, r = (s - warmup) / (decay_iters - warmup):
-        constant: lr
-        linear  : min_lr + (lr - min_lr) * (1 - r)
-        cosine  : min_lr + (lr - min_lr) * 0.5 * (1 + cos(pi * r))
-decay_iters is --lr-decay-iters (counted from step 0, like Megatron's), by
-default the run's total optimizer steps, so decay lasts total - warmup steps.
+Schedule (Megatron's OptimizerParamScheduler semantics, which miles' FSDP backend copies), s = optimizer
+steps taken so far (LambdaLR's counter; the first update runs at s = 0), D = decay_iters, W = warm-up:
+    s <= W                     : init + (lr - init) * s / W       (W > 0; init = --lr-warmup-init)
+    constant                   : lr
+    s > D                      : min_lr
+    inverse-square-root        : max(min_lr, lr * sqrt(max(W, 1) / max(s, 1)))
+    otherwise, r = (s - W) / (D - W), lr_s = min_lr + (lr - min_lr) * coeff:
+        linear  : coeff = 1 - r
+        cosine  : coeff = 0.5 * (1 + cos(pi * r))
+        WSD     : coeff = 1 until D - --lr-wsd-decay-iters, then over those last steps, q from 0 to 1, the
+                  --lr-wsd-decay-style: exponential 2 * 0.5^q - 1 | linear 1 - q | cosine | minus_sqrt 1 - sqrt(q)
+D is --lr-decay-iters (counted from step 0, like Megatron's), by default the run's total optimizer steps,
+so decay lasts total - W steps. W is --lr-warmup-fraction * D when given (a float, as Megatron's), else
+--lr-warmup-iters.
 """
 from __future__ import annotations
 
@@ -109,32 +113,57 @@ def _cosine(r: float) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * r))
 
 
-# --lr-decay-style -> coefficient in [0, 1] of (lr - min_lr) at decay progress r in [0, 1].
-DECAY_STYLES: dict[str, Callable[[float], float]] = {
+# --lr-decay-style -> coefficient in [0, 1] of (lr - min_lr) at decay progress r in [0, 1]. WSD and
+# inverse-square-root are not functions of r alone: lr_at_step handles them.
+DECAY_STYLES: dict[str, Callable[[float], float] | None] = {
     "constant": _constant,
     "linear": _linear,
     "cosine": _cosine,
+    "inverse-square-root": None,
+    "WSD": None,
 }
+# --lr-wsd-decay-style -> coefficient at progress q in [0, 1] of WSD's final decay.
+WSD_DECAY_STYLES: dict[str, Callable[[float], float]] = {
+    "exponential": lambda q: 2.0 * 0.5 ** q - 1.0,
+    "linear": _linear,
+    "cosine": _cosine,
+    "minus_sqrt": lambda q: 1.0 - math.sqrt(q),
+}
+
+
+def decay_steps(optim_cfg: OptimConfig, total_steps: int) -> int:
+    return total_steps if optim_cfg.lr_decay_iters is None else optim_cfg.lr_decay_iters
+
+
+def warmup_steps(optim_cfg: OptimConfig, total_steps: int) -> float:
+    """W of the module docstring (a float with --lr-warmup-fraction)."""
+    c = optim_cfg
+    if c.lr_warmup_fraction is not None:
+        return c.lr_warmup_fraction * decay_steps(c, total_steps)
+    return float(c.lr_warmup_iters)
 
 
 def lr_at_step(step: int, optim_cfg: OptimConfig, total_steps: int) -> float:
     """Learning rate after `step` optimizer steps (see module docstring)."""
     c = optim_cfg
-    try:
-        coeff = DECAY_STYLES[c.lr_decay_style]
-    except KeyError:
-        raise ValueError(f"--lr-decay-style: unknown style {c.lr_decay_style!r} "
-                         f"({', '.join(DECAY_STYLES)})") from None
-    warmup = c.lr_warmup_iters
+    if c.lr_decay_style not in DECAY_STYLES:
+        raise ValueError(f"--lr-decay-style: unknown style {c.lr_decay_style!r} ({', '.join(DECAY_STYLES)})")
+    warmup, decay_iters = warmup_steps(c, total_steps), decay_steps(c, total_steps)
     if warmup > 0 and step <= warmup:
-        return c.lr * step / warmup
+        return c.lr_warmup_init + (c.lr - c.lr_warmup_init) * step / warmup
     if c.lr_decay_style == "constant":
         return c.lr
-    decay_iters = total_steps if c.lr_decay_iters is None else c.lr_decay_iters
     if step > decay_iters:
         return c.min_lr
-    r = (step - warmup) / (decay_iters - warmup)
-    return c.min_lr + (c.lr - c.min_lr) * coeff(r)
+    if c.lr_decay_style == "inverse-square-root":
+        return max(c.min_lr, c.lr * math.sqrt(max(warmup, 1.0) / max(step, 1)))
+    if c.lr_decay_style == "WSD":
+        anneal_start = decay_iters - c.lr_wsd_decay_iters
+        coeff = 1.0 if step <= anneal_start else WSD_DECAY_STYLES[c.lr_wsd_decay_style](
+            (step - anneal_start) / c.lr_wsd_decay_iters)
+    else:
+        coeff = DECAY_STYLES[c.lr_decay_style]((step - warmup) / (decay_iters - warmup))
+    return c.min_lr + (c.lr - c.min_lr) * coeff
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim_cfg: OptimConfig,
@@ -143,10 +172,17 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim_cfg: OptimConfig,
     c = optim_cfg
     if c.lr_warmup_iters < 0:
         raise ValueError(f"--lr-warmup-iters: must be >= 0, got {c.lr_warmup_iters}")
-    decay_iters = total_steps if c.lr_decay_iters is None else c.lr_decay_iters
-    if c.lr_decay_style != "constant" and decay_iters <= c.lr_warmup_iters:
-        raise ValueError(f"--lr-decay-iters: decay must end after warm-up ({decay_iters} <= "
-                         f"--lr-warmup-iters {c.lr_warmup_iters})")
+    decay_iters, warmup = decay_steps(c, total_steps), warmup_steps(c, total_steps)
+    if c.lr_decay_style != "constant" and decay_iters <= warmup:
+        raise ValueError(f"--lr-decay-iters: decay must end after warm-up ({decay_iters} <= {warmup:g} warm-up "
+                         "steps of --lr-warmup-iters / --lr-warmup-fraction)")
+    if c.lr_decay_style == "WSD":
+        if c.lr_wsd_decay_style not in WSD_DECAY_STYLES:
+            raise ValueError(f"--lr-wsd-decay-style: unknown style {c.lr_wsd_decay_style!r} "
+                             f"({', '.join(WSD_DECAY_STYLES)})")
+        if c.lr_wsd_decay_iters is None or not 1 <= c.lr_wsd_decay_iters <= decay_iters:
+            raise ValueError(f"--lr-wsd-decay-iters: --lr-decay-style WSD needs it in [1, {decay_iters}] (the "
+                             f"decay's optimizer steps), got {c.lr_wsd_decay_iters}")
     lr_at_step(0, c, total_steps)  # validates the decay style before training starts
     if c.lr == 0:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.0)
