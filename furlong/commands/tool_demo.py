@@ -54,10 +54,10 @@ class ToolDemoScale:
     hidden: int = 128
     num_layers: int = 4
     num_heads: int = 4
-    sft_epochs: int = 3
+    sft_epochs: int = 8               # copying 3-digit operands into a call takes the tiny model this long
     sft_lr: float = 3e-3
     sft_batch: int = 64
-    num_rollout: int = 12
+    num_rollout: int = 30
     rollout_batch_size: int = 32
     n_samples: int = 8
     grpo_lr: float = 1e-4
@@ -68,8 +68,8 @@ class ToolDemoScale:
     max_response_len: int = 40        # tokens per model turn
     max_context_len: int = 256        # prompt + all turns + tool tokens
     dynamic_filter: bool = True
-    eval_interval: int = 4            # rollouts between evals (0: before and after GRPO only)
-    sampled_eval_samples: int = 2     # samples per held-out prompt at T=1 (calc_sampled)
+    eval_interval: int = 5            # rollouts between evals (0: before and after GRPO only)
+    sampled_eval_samples: int = 4     # samples per held-out prompt at T=1 (calc_sampled)
     device: str = "cpu"
     kv_fraction: float = 0.3
 
@@ -78,7 +78,7 @@ PRESETS = {
     "cpu": ToolDemoScale(),
     "quick": ToolDemoScale(num_train=300, num_test=16, hidden=64, num_layers=2, sft_epochs=1, num_rollout=2,
                            rollout_batch_size=4, n_samples=4, grpo_steps_per_rollout=1, max_response_len=24,
-                           max_context_len=200, dynamic_filter=False, eval_interval=0),
+                           max_context_len=200, dynamic_filter=False, eval_interval=0, sampled_eval_samples=2),
     # Sized by analogy with demo.py's gpu preset (300 rollouts of 64 x 8 in 350 s on one H200): a third of
     # the rollouts, each about twice the tokens (two model turns and the tool's), the same model.
     "gpu": ToolDemoScale(num_train=30000, num_test=500, digits=5, two_step_fraction=0.25, hidden=384,
