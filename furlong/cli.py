@@ -68,7 +68,11 @@ def _build_parser() -> _Parser:
     d.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cpu: the laptop preset; cuda: the GPU preset (a larger model and task, ~10 min on one H200)")
     d.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", dest="settings",
-                   help="override one setting of the preset (a DemoScale field in furlong/commands/demo.py); repeatable")
+                   help="override one setting of the preset (a DemoScale field in furlong/commands/demo.py, "
+                        "ToolDemoScale in tool_demo.py for --task calculator); repeatable")
+    d.add_argument("--task", default="synthetic", choices=("synthetic", "calculator"),
+                   help="synthetic: arithmetic in the head; calculator: GRPO teaches the model to call a "
+                        "calculator tool (furlong/commands/tool_demo.py)")
     b = sub.add_parser("bench", help="benchmark one RL step of a workload file")
     b.add_argument("--workload", required=True, metavar="FILE", help="(required) workload file (bench/*_workload.json)")
     b.add_argument("--output", default=None, metavar="FILE.json",
@@ -149,6 +153,10 @@ def _run(argv: list[str]) -> int:
                         overwrite=args.overwrite)
         print(f"score: {rep.num_correct}/{rep.num_rows} correct, accuracy {100 * rep.accuracy:.1f}%")
         return 0
+    if args.command == "demo" and args.task == "calculator":
+        from furlong.commands.tool_demo import run_tool_demo
+        return run_tool_demo(args.output_dir, seed=args.seed, quick=args.quick, device=args.device,
+                             settings=args.settings)
     if args.command == "demo":
         from furlong.commands.demo import run_demo
         return run_demo(args.output_dir, seed=args.seed, quick=args.quick, device=args.device,

@@ -102,10 +102,11 @@ PRESETS = {
 }
 
 
-def apply_overrides(scale: DemoScale, settings: list[str]) -> DemoScale:
-    """`--set NAME=VALUE` strings -> a copy of `scale` with those fields replaced (typed as the field)."""
+def apply_overrides(scale, settings: list[str]):
+    """`--set NAME=VALUE` strings -> a copy of `scale` (any scale dataclass) with those fields replaced
+    (typed as the field)."""
     import dataclasses
-    fields = {f.name: f for f in dataclasses.fields(DemoScale)}
+    fields = {f.name: f for f in dataclasses.fields(scale)}
     changes = {}
     for item in settings:
         name, sep, value = item.partition("=")
@@ -153,19 +154,33 @@ def _eval_series(metrics_path: Path, key: str) -> list[tuple[int, float]]:
     return out
 
 
+def sft_config(base: Path, sft_data: Path, out: Path, scale: DemoScale, seed: int) -> Config:
+    """SFT of `base` on `sft_data` (chat rows), cosine LR after a short warm-up, to out/sft_model."""
+    sft = Config()
+    sft.data.hf_checkpoint, sft.data.prompt_data = str(base), str(sft_data)
+    sft.data.input_key, sft.data.label_key, sft.data.apply_chat_template = "messages", "label", True
+    sft.optim.lr, sft.optim.weight_decay, sft.optim.clip_grad = scale.sft_lr, 0.0, 1.0
+    sft_steps = (scale.num_train // scale.sft_batch) * scale.sft_epochs
+    sft.optim.lr_decay_style, sft.optim.lr_warmup_iters = "cosine", max(1, min(10, sft_steps // 10))
+    sft.optim.adam_beta2 = 0.98
+    sft.batch.global_batch_size = scale.sft_batch
+    sft.batch.use_dynamic_batch_size, sft.batch.max_tokens_per_gpu = True, "8192"
+    sft.length.num_epoch = scale.sft_epochs
+    sft.parallel.device, sft.parallel.seed = scale.device, seed
+    sft.ckpt.save, sft.log.output_dir = str(out / "sft_model"), str(out / "sft")
+    return sft
+
+
 def grpo_config(out: Path, data: Path, scale: DemoScale, seed: int) -> Config:
     """The reference workload's recipe (docs/design.md §1), scaled down to the demo model."""
     rl = Config()
-    rl.data.hf_checkpoint = str(out / "sft_model")
-    rl.data.prompt_data = str(data / "train.parquet")
+    rl.data.hf_checkpoint, rl.data.prompt_data = str(out / "sft_model"), str(data / "train.parquet")
     rl.data.input_key, rl.data.label_key, rl.data.apply_chat_template = "messages", "label", True
     rl.data.rollout_shuffle, rl.data.rollout_seed = True, seed
     rl.reward.rm_type = "math"
-    rl.rollout.num_rollout = scale.num_rollout
-    rl.rollout.rollout_batch_size = scale.rollout_batch_size
+    rl.rollout.num_rollout, rl.rollout.rollout_batch_size = scale.num_rollout, scale.rollout_batch_size
     rl.rollout.n_samples_per_prompt = scale.n_samples
-    rl.rollout.rollout_max_response_len = scale.max_response_len
-    rl.rollout.rollout_temperature = 1.0
+    rl.rollout.rollout_max_response_len, rl.rollout.rollout_temperature = scale.max_response_len, 1.0
     rl.rollout.over_sampling_batch_size = scale.rollout_batch_size * 2
     if scale.dynamic_filter:
         rl.rollout.dynamic_sampling_filter_path = \
@@ -183,8 +198,7 @@ def grpo_config(out: Path, data: Path, scale: DemoScale, seed: int) -> Config:
     if scale.sampled_eval_samples:   # a checkpoint at every greedy eval, for sampled_evals to score afterwards
         rl.ckpt.save, rl.ckpt.save_interval = str(out / "grpo_ckpt"), rl.eval.eval_interval
     rl.parallel.device, rl.parallel.seed = scale.device, seed
-    rl.rollout.rollout_kv_fraction = scale.kv_fraction
-    rl.log.output_dir = str(out / "grpo")
+    rl.rollout.rollout_kv_fraction, rl.log.output_dir = scale.kv_fraction, str(out / "grpo")
     return rl
 
 
@@ -253,22 +267,8 @@ def run_demo(output_dir: str | None = None, seed: int = 0, quick: bool = False,
 
     ctx = init_distributed(scale.device)
     try:
-        sft = Config()
-        sft.data.hf_checkpoint = str(base)
-        sft.data.prompt_data = str(data / "sft.parquet")
-        sft.data.input_key, sft.data.label_key, sft.data.apply_chat_template = "messages", "label", True
-        sft.optim.lr, sft.optim.weight_decay, sft.optim.clip_grad = scale.sft_lr, 0.0, 1.0
-        sft_steps = (scale.num_train // scale.sft_batch) * scale.sft_epochs
-        sft.optim.lr_decay_style, sft.optim.lr_warmup_iters = "cosine", max(1, min(10, sft_steps // 10))
-        sft.optim.adam_beta2 = 0.98
-        sft.batch.global_batch_size = scale.sft_batch
-        sft.batch.use_dynamic_batch_size, sft.batch.max_tokens_per_gpu = True, "8192"
-        sft.length.num_epoch = scale.sft_epochs
-        sft.parallel.device, sft.parallel.seed = scale.device, seed
-        sft.ckpt.save = str(out / "sft_model")
-        sft.log.output_dir = str(out / "sft")
         print("demo: supervised fine-tuning on worked solutions", flush=True)
-        run_sft(sft, ctx)
+        run_sft(sft_config(base, data / "sft.parquet", out, scale, seed), ctx)
 
         rl = grpo_config(out, data, scale, seed)
         print("demo: GRPO on the synthetic task", flush=True)

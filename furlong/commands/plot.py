@@ -1,9 +1,10 @@
 """`furlong plot RUN_DIR [--output FILE.png]`: one PNG of a run's metrics.jsonl.
 
-Six panels against the rollout number: training reward (mean over kept groups), held-out
-eval scores (marked at each eval; the eval before training sits at rollout 0), mean and max
-response length, PPO KL and clip fraction, policy entropy, and step time split into rollout,
-training and the rest. Headless (the Agg backend); matplotlib is the `plot` extra.
+Six panels against the rollout number: training reward (mean over kept groups; with the share of
+samples that called a tool when the run logs it, rollout/tool_call_ratio), held-out eval scores
+(marked at each eval; the eval before training sits at rollout 0), mean and max response length,
+PPO KL and clip fraction, policy entropy, and step time split into rollout, training and the rest.
+Headless (the Agg backend); matplotlib is the `plot` extra.
 """
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
         else:
             a.text(0.5, 0.5, "not logged", ha="center", va="center", transform=a.transAxes, color="gray")
 
-    panel(ax[0, 0], "Training reward", "mean reward (kept groups)", [("rollout/raw_reward", "raw reward", "-o")])
+    panel(ax[0, 0], "Training reward (and tool-call rate)", "mean over kept groups",
+          [("rollout/raw_reward", "raw reward", "-o"), ("rollout/tool_call_ratio", "tool-call rate", "-^")])
     a = ax[0, 1]
     names = sorted({k for _, ev in evals for k in ev})
     for name in names:

@@ -16,7 +16,9 @@ It SETS   response_ids [R] (model and tool tokens in context order), response_te
           rollout_log_probs [R] (the engine's for model tokens, 0.0 for tool tokens),
           loss_mask [R] (1 model token, 0 tool/environment token: kept out of the loss, KL and
           entropy), status (Sample.Status.COMPLETED | TRUNCATED | ABORTED | FAILED), optionally reward
-          (left None, the reward function scores the sample afterwards, as miles) and metadata.
+          (left None, the reward function scores the sample afterwards, as miles) and metadata
+          (an int metadata["num_tool_calls"] is logged as the share of samples that called a tool:
+          rollout/tool_call_ratio, eval/<name>/tool_call_ratio).
           `sample.add_model_tokens(turn.token_ids, turn.log_probs, turn.text)` and
           `sample.add_tool_tokens(ids, text)` keep these fields consistent.
 Deviations from miles: `args` is GenerateArgs below (furlong has no miles Namespace and no HTTP

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from furlong.types import Group
+from furlong.types import Group, Sample
 
 
 @dataclass
@@ -25,6 +25,7 @@ class RolloutMetrics:
     trained_tokens_mean: float = 0.0     # loss-mask tokens per kept sample (model tokens; tool tokens excluded)
     turns_mean: float = 1.0              # model turns per kept sample
     num_failed_samples: int = 0          # custom generate failures dropped with their groups (on-error drop)
+    tool_call_ratio: float | None = None  # kept samples that called a tool (None: the generate function counts none)
     custom: dict[str, float] = field(default_factory=dict)   # a --rollout-function-path's own metrics, by log name
     # --partial-rollout (None: off): samples of paused groups resumed in this rollout, samples paused at its
     # end, and the share of the kept response tokens generated in earlier rollouts (rollout/partial.py)
@@ -51,6 +52,8 @@ class RolloutMetrics:
             **self.engine,
             **self.custom,
         }
+        if self.tool_call_ratio is not None:
+            out["rollout/tool_call_ratio"] = self.tool_call_ratio
         for name, count in self.num_dropped.items():
             out[f"rollout/dynamic_filter/drop_{name}"] = float(count)
         if self.num_partial_resumed is not None:
@@ -71,6 +74,13 @@ def engine_metrics(stats: Any) -> dict[str, float]:
     }
 
 
+def tool_call_ratio(samples: list[Sample]) -> float | None:
+    """The share of `samples` whose metadata["num_tool_calls"] (a custom generate function's count, as
+    tools/calculator_generate.py keeps it) is above 0; None when no sample carries that count."""
+    counts = [s.metadata["num_tool_calls"] for s in samples if "num_tool_calls" in s.metadata]
+    return sum(c > 0 for c in counts) / len(samples) if counts else None
+
+
 def summarize(kept: list[Group], dropped: dict[str, int], num_aborted: int, num_finished: int,
                num_generated_tokens: int, seconds: float, reward_seconds: float, stats: Any,
                num_failed: int = 0) -> RolloutMetrics:
@@ -88,4 +98,5 @@ def summarize(kept: list[Group], dropped: dict[str, int], num_aborted: int, num_
         rollout_log_probs=model_lp / max(num_trained, 1),   # model tokens only: tool tokens have no log-prob
         num_generated_tokens=num_generated_tokens, seconds=seconds, reward_seconds=reward_seconds,
         engine=engine_metrics(stats), trained_tokens_mean=num_trained / num,
-        turns_mean=sum(s.num_turns for s in samples) / num, num_failed_samples=num_failed)
+        turns_mean=sum(s.num_turns for s in samples) / num, num_failed_samples=num_failed,
+        tool_call_ratio=tool_call_ratio(samples))

@@ -128,11 +128,12 @@ def replay_batch(source: str, rollout_id: int) -> Any:
     import time
     from types import SimpleNamespace
 
-    from furlong.rollout.rollout import RolloutBatch, _summarize
+    from furlong.rollout.rollout import RolloutBatch
+    from furlong.rollout.rollout_metrics import summarize
     started = time.perf_counter()
     groups = load_rollout_groups(source, rollout_id)
     idle = SimpleNamespace(num_decode_steps=0, seconds=0.0, mean_batch=0.0, kv_utilization=0.0,
                            grouped_fraction=0.0, num_preemptions=0)
-    metrics = _summarize(groups, {}, 0, len(groups), 0, time.perf_counter() - started, 0.0, idle)
+    metrics = summarize(groups, {}, 0, len(groups), 0, time.perf_counter() - started, 0.0, idle)
     metrics.engine = {}
     return RolloutBatch(groups=groups, metrics=metrics)

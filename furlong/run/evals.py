@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from furlong.rollout.async_rollout import run_coroutine
 from furlong.rollout.custom_generate import GenerateError
 from furlong.rollout.rollout import reward_groups
+from furlong.rollout.rollout_metrics import tool_call_ratio
 from furlong.run.metrics import write_samples
 from furlong.run.reward_metrics import eval_reward_logs
 from furlong.run.rollout_step import _front, eval_step
@@ -48,6 +49,8 @@ def run_evals(parts: RunParts, rollout_id: int) -> dict[str, float]:
     for name, (score, samples, n) in results.items():
         out[f"eval/{name}"] = score
         out.update(eval_reward_logs(name, samples, n, parts.config.reward_logs))
+        if (ratio := tool_call_ratio(samples)) is not None:
+            out[f"eval/{name}/tool_call_ratio"] = ratio
         if parts.ctx.rank == 0:
             write_samples(parts.output_dir, name, rollout_id, samples)
     return out

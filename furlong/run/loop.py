@@ -141,7 +141,7 @@ def _rollouts(parts: RunParts, ci: CiChecker, progress: Progress, stop: StopRequ
             write_rows(Path(config.debug.save_rollout_data.format(rollout_id=rollout_id)),
                        [sample_row(s) for s in step.batch.samples])
         if eval_every is not None and parts.eval_sets and (rollout_id + 1) % eval_every == 0:
-            m = clock.run("eval", _run_evals, parts, rollout_id)
+            m = clock.run("eval", run_evals, parts, rollout_id)
             ci.observe(m)
             step.metrics.update(m)
         metrics = _step_metrics(parts, step, clock)

@@ -13,7 +13,7 @@ import itertools
 from collections.abc import Iterable
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -36,10 +36,14 @@ CHAT_TEMPLATE = (
 _MIN_VOCAB = 256 + len(SPECIAL_TOKENS)
 
 
-def build_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: int = 512) -> Path:
-    """Train a byte-level BPE on `texts` and save it (HF format) to `out_dir`; return the path."""
-    if vocab_size < _MIN_VOCAB:
-        raise ValueError(f"vocab_size: must be >= {_MIN_VOCAB} (byte alphabet + special tokens), got {vocab_size}")
+def build_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: int = 512,
+                    added_tokens: tuple[str, ...] = ()) -> Path:
+    """Train a byte-level BPE on `texts` and save it (HF format) to `out_dir`; return the path.
+    `added_tokens` (e.g. "<tool_call>") become single, non-special tokens, the last ids of the
+    `vocab_size`, as Qwen3's tool-call tags are: kept in decoded text, never split."""
+    if vocab_size < _MIN_VOCAB + len(added_tokens):
+        raise ValueError(f"vocab_size: must be >= {_MIN_VOCAB + len(added_tokens)} (byte alphabet + special and "
+                         f"added tokens), got {vocab_size}")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),
@@ -47,7 +51,7 @@ def build_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: int =
     ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(added_tokens),
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -56,6 +60,7 @@ def build_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: int =
     # the corpus lets BPE merge them even when `texts` holds only contents.
     roles = ["system\n", "user\n", "assistant\n"] * 16
     tok.train_from_iterator(itertools.chain(roles, texts), trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
 
     # Imported here: transformers is heavy and only needed to write the HF files.
     from transformers import PreTrainedTokenizerFast
