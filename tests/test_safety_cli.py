@@ -41,7 +41,7 @@ def help_of(command: str, capsys) -> str:
     (["eval", "--lr", "1e-3"], "--lr is a flag of furlong train, not of furlong eval"),
     (["eval", "--num-rollout", "3"], "--num-rollout is a flag of furlong train, not of furlong eval"),
     (["eval", "--save", "ck"], "--save is a flag of furlong train"),
-    (["train", "--num-epoch", "2"], "--num-epoch is a flag of furlong sft, not of furlong train"),
+    (["train", "--sft-max-len", "2"], "--sft-max-len is a flag of furlong sft, not of furlong train"),
     (["sft", "--rollout-batch-size", "2"], "--rollout-batch-size is a flag of furlong train"),
     (["export", "--lod", "x", "--output", "y"], "did you mean --load?"),
 ])
@@ -53,8 +53,8 @@ def test_flags_outside_a_command_or_abbreviated_are_refused(argv, needle, capsys
 
 def test_each_command_shows_only_its_flags_and_marks_required(capsys):
     train, sft, ev = help_of("train", capsys), help_of("sft", capsys), help_of("eval", capsys)
-    assert "--num-epoch" not in train and "--num-epoch" in sft
-    assert "--rollout-batch-size" not in sft and "--rm-type" not in sft and "--eval-prompt-data" not in sft
+    assert "--sft-max-len" not in train and "--sft-max-len" in sft and "--num-epoch" in train and "--num-epoch" in sft
+    assert "[--rollout-batch-size" not in sft and "--rm-type" not in sft and "--eval-prompt-data" not in sft
     assert "--lr " not in ev and "--num-rollout" not in ev and "--save " not in ev and "--load" in ev
     assert "--hf-checkpoint PATH  (required)" in train and "--prompt-data PATH    (required)" in sft
     assert "(required) eval sets" in ev
