@@ -116,7 +116,9 @@ def actor_config(cfg: Config, total_steps: int | None = None) -> Actor.Config:
         total_steps = _run_steps(cfg, num_rollouts(cfg) - a.num_critic_only_steps)
     return Actor.Config(shard=shard_config(cfg), optim=cfg.optim, loss=loss_config(cfg),
                         temperature=cfg.rollout.rollout_temperature, use_ref_model=a.use_kl_loss or a.kl_coef > 0,
-                        total_steps=total_steps, lora=lora_config(cfg))
+                        total_steps=total_steps, lora=lora_config(cfg),
+                        # "auto" needs the model's size and the GPU: run set-up resolves it (run/reference.py)
+                        ref_on_cpu=cfg.ref.ref_placement == "cpu")
 
 
 def lora_config(cfg: Config) -> LoraConfig | None:

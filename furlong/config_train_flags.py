@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from furlong.config import Config
 
 
+REF_PLACEMENTS = ("auto", "gpu", "cpu")
+
+
 @dataclass
 class ReferenceFlags:
     ref_load: str | None = flag(None, "reference model of --use-kl-loss / --kl-coef: an HF folder or a furlong --save "
@@ -39,6 +42,11 @@ class ReferenceFlags:
                                                  "(after rollouts N, 2N, ...)",
                                            miles="a resume restores the reference of the last update (miles: --ref-load "
                                                  "again)")
+    ref_placement: str = flag("auto", "where the reference's weights live between its passes: gpu (a bf16 copy, "
+                                      "sharded like the actor), cpu (pinned CPU memory, copied to the GPU once per "
+                                      "log-prob pass), auto (cpu with --fsdp-cpu-offload or when the bf16 copy "
+                                      "would take more than 1/20 of a GPU's memory, else gpu)",
+                              miles="furlong's own (miles keeps its reference on the CPU between uses)")
     reset_optimizer_states: bool = flag(False, "zero the optimizer's moments and step counts before each rollout's "
                                                "training (actor and critic; the LR schedule goes on)",
                                         miles="as miles' Megatron backend (its FSDP backend ignores it)")
@@ -115,6 +123,10 @@ def start_notes(cfg: Config) -> list[str]:
         notes.append("--ref-load is unused without --use-kl-loss or --kl-coef (the actor starts from --hf-checkpoint)")
     if not uses_ref and ref.ref_update_interval is not None:
         notes.append("--ref-update-interval is unused without --use-kl-loss or --kl-coef")
+    if ref.ref_placement != "auto" and (not uses_ref or cfg.lora.lora_rank > 0):
+        notes.append(f"--ref-placement {ref.ref_placement} is unused: "
+                     + ("with --lora-rank the reference is the base model (adapters off), no copy"
+                        if uses_ref else "no reference without --use-kl-loss or --kl-coef"))
     if cfg.rollout.num_rollout is not None and cfg.length.num_epoch is not None:
         notes.append("--num-epoch is ignored: --num-rollout is given (as miles)")
     return notes
@@ -131,6 +143,8 @@ def check_train_flags(cfg: Config) -> None:
     _need(ref.ref_ckpt_step is None or ref.ref_load is not None, "--ref-ckpt-step", "needs --ref-load")
     _need(ref.ref_ckpt_step is None or ref.ref_ckpt_step >= 1, "--ref-ckpt-step", "must be >= 1")
     _need(ref.ref_update_interval is None or ref.ref_update_interval >= 1, "--ref-update-interval", "must be >= 1")
+    _need(ref.ref_placement in REF_PLACEMENTS, "--ref-placement",
+          f"unknown placement {ref.ref_placement!r} ({', '.join(REF_PLACEMENTS)})")
     if cfg.lora.lora_rank > 0:   # the LoRA reference is the base with the adapters off: no copy to load or move
         _need(ref.ref_load is None, "--ref-load", "with --lora-rank the reference is the base model (adapters off)")
         _need(ref.ref_update_interval is None, "--ref-update-interval",

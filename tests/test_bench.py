@@ -106,6 +106,11 @@ def test_all_parts_run_and_agree_with_the_workload(tmp_path, capsys):
     assert de["hf_new_tokens"] == de["new_tokens"] == 12
     assert de["furlong_over_hf"] == pytest.approx(de["furlong_tok_per_s"] / de["hf_tok_per_s"])
 
+    ref = parts["ref"]["result"]
+    assert [r["placement"] for r in ref["rows"]] == ["gpu", "cpu"] and ref["gib_saved"] is None   # no CUDA
+    assert ref["cpu_minus_gpu_s"] == pytest.approx(ref["rows"][1]["pass_s"] - ref["rows"][0]["pass_s"])
+    assert all(len(r["pass_s_all"]) == 3 and r["pass_s"] > 0 for r in ref["rows"])
+
     step = res["step"]
     assert step["whole_step_s"] == pytest.approx(step["rollout_s"] + step["train_step_s"] + step["weight_sync_s"])
     assert step["log_probs_s"] == 0.0

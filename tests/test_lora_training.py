@@ -282,3 +282,17 @@ def test_spec_carries_the_flags():
     spec = actor_config(tiny_config(**LORA, target_modules="q_proj, v_proj", seed=7)).lora
     assert dataclasses.astuple(spec) == (4, 16.0, 0.0, ("q_proj", "v_proj"), 7)
     assert actor_config(tiny_config()).lora is None
+
+
+def test_mfu_counts_weight_gradients_only_for_trained_weights(tiny_ckpt):
+    """MFU's FLOPs per token: 6 x params for full-parameter training; under LoRA 4 x the base's params
+    plus 6 x the adapters' (no weight gradients for the frozen base), not the 6N that overstated it."""
+    from furlong.trainer.mfu import model_flops_per_token, train_flops_per_token
+    base = sum(p.numel() for p in load_pretrained(tiny_ckpt).parameters())
+    full = Actor(load_pretrained(tiny_ckpt), actor_config(tiny_config()), init_distributed("cpu"))
+    assert model_flops_per_token(full.model) == 6 * base
+    lora, _ = _actor(tiny_ckpt)
+    adapters = sum(p.numel() for n, p in lora.model.named_parameters() if is_adapter_param(n))
+    assert 0 < adapters < base
+    assert model_flops_per_token(lora.model) == 4 * base + 6 * adapters == train_flops_per_token(base + adapters,
+                                                                                                  adapters)

@@ -27,7 +27,7 @@ class TrainResult:
     train_step_s: float              # fwd+bwd of all micro-batches + clip + optimizer step (median)
     train_step_s_all: list[float]    # [TIMED_TRAIN_STEPS] each timed step, after one warm-up step
     train_tok_per_s: float
-    train_mfu: float | None          # 6 * params * tokens/s over the bf16 peak (CUDA only)
+    train_mfu: float | None          # train FLOPs/token (trainer/mfu.py) * tokens/s over the bf16 peak (CUDA)
     train_peak_gib: float | None
     num_micro_batches: int           # per rank
     micro_batch_max_tokens: int      # of this rank's plan (rank 0)

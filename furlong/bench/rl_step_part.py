@@ -98,6 +98,7 @@ def _run_mode(b: Bench, partial: bool) -> dict[str, list[Any]]:
     from furlong.rollout.partial import PausedGroups
     from furlong.run.setup import RunParts
     from furlong.run.step import StageClock, rl_step
+    from furlong.trainer.mfu import model_flops_per_token
     w = b.w
     b.release_actor()                          # a fresh, seeded actor: both modes start from the same weights
     actor = b.actor()
@@ -116,7 +117,7 @@ def _run_mode(b: Bench, partial: bool) -> dict[str, list[Any]]:
     parts = RunParts(config=config, ctx=b.ctx, output_dir=Path("."), logger=None, dataset=PromptPool(prompts),
                      eval_sets=[], engine=ForcedLengths(engine, forced), reward_fn=synthetic_reward(w.rlstep_zero_std_every),
                      filter_fn=load_filter(FILTER), actor=actor, start_rollout=0,
-                     num_params=sum(p.numel() for p in model.parameters()),
+                     train_flops_per_token=model_flops_per_token(actor.model),
                      paused=PausedGroups() if partial else None)
     out: dict[str, list[Any]] = {k: [] for k in ("step_s", "rollout_s", "train_s", "generated", "trained", "aborted",
                                                  "resumed", "paused", "offpolicy")}

@@ -18,6 +18,7 @@ import torch
 
 from furlong.bench.generation_parts import part_decode, part_eval, part_rollout
 from furlong.bench.measure import PartTimeout, free_memory, time_guard
+from furlong.bench.ref_part import part_ref
 from furlong.bench.report import PartReport, format_table, step_summary, write_json
 from furlong.bench.rl_step_part import part_rlstep
 from furlong.bench.state import Bench
@@ -32,12 +33,12 @@ from furlong.bench.workload import load_workload, parse_parts
 # the warm-ups still leaves the timed steps done (see trl_part.py).
 # rlstep: 2 x num_steps (3) real steps; the seed workload's take ~5 s each, the long one's ~80 s (raise the guard)
 PART_GUARD_S = {"train": 150, "budget": 120, "hf": 90, "rollout": 150, "decode": 170, "eval": 150, "trl": 420,
-                "rlstep": 240}
+                "rlstep": 240, "ref": 150}
 
 # The part registry: name -> function of the run state returning that part's result dataclass.
 PARTS: dict[str, Callable[[Bench], Any]] = {
     "train": part_train, "budget": part_budget, "hf": part_hf, "rollout": part_rollout, "decode": part_decode,
-    "eval": part_eval, "trl": part_trl, "rlstep": part_rlstep,
+    "eval": part_eval, "trl": part_trl, "rlstep": part_rlstep, "ref": part_ref,
 }
 
 

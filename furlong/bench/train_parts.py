@@ -23,6 +23,7 @@ from furlong.bench.measure import OOM_ERRORS, PartTimeout, free_memory, peak_gib
 from furlong.bench.report import BudgetResult, BudgetRow, HfTrainResult, TrainResult
 from furlong.bench.state import Bench, build_hf_model
 from furlong.trainer.mfu import mfu as train_mfu
+from furlong.trainer.mfu import model_flops_per_token
 from furlong.types import TrainSample
 
 TIMED_TRAIN_STEPS = 3
@@ -49,8 +50,8 @@ def part_train(b: Bench) -> TrainResult:
     mine = split_across_ranks(lengths, b.ctx.world_size)[b.ctx.rank]
     stats = balance_stats([lengths[i] for i in mine], plan_micro_batches([lengths[i] for i in mine],
                                                                          steps.max_tokens_per_gpu))
-    num_params = sum(p.numel() for p in b.engine().parameters())
-    mfu = train_mfu(num_params, num_tokens, train_s, dev, b.ctx.world_size) if dev.type == "cuda" else None
+    flops = model_flops_per_token(actor.model)   # 6 x params; about 4 x under LoRA (trainer/mfu.py)
+    mfu = train_mfu(flops, num_tokens, train_s, dev, b.ctx.world_size) if dev.type == "cuda" else None
     print(f"[bench] train: log-probs {logp_s:.2f}s, train_step {train_s:.2f}s (median of "
           f"{', '.join(f'{t:.3f}' for t in train_all)}), {tm.num_micro_batches} micro-batches", flush=True)
 

@@ -17,7 +17,7 @@ from furlong.models.hf_config import ModelArgs
 
 # budget last: its out-of-memory rows can leave the allocator fragmented for later parts;
 # trl (minutes of HF generate) after the engine's parts, so a short `all` run still gets those
-PART_ORDER = ("train", "hf", "rollout", "decode", "eval", "rlstep", "trl", "budget")
+PART_ORDER = ("train", "hf", "rollout", "decode", "eval", "rlstep", "trl", "budget", "ref")
 DEFAULT_BUDGETS = [32768, 65536, 131072, 200000]
 
 

@@ -114,8 +114,9 @@ def _step_metrics(parts: RunParts, step: StepOutput, clock: StageClock) -> dict[
     if step.train is not None:
         t_train, num_train_tokens = clock.seconds["perf/actor_train_time"], sum(s.num_tokens for s in step.samples)
         metrics["perf/actor_train_tok_per_s"] = num_train_tokens / max(t_train, 1e-9)
-        # 6*N FLOPs per token over the peak of the GPUs in use (trainer/mfu.py)
-        metrics["perf/actor_train_mfu"] = mfu(parts.num_params, num_train_tokens, t_train, ctx.device, ctx.world_size)
+        # 6*N FLOPs per token (about 4*N under LoRA) over the peak of the GPUs in use (trainer/mfu.py)
+        metrics["perf/actor_train_mfu"] = mfu(parts.train_flops_per_token, num_train_tokens, t_train, ctx.device,
+                                              ctx.world_size)
     if torch.cuda.is_available():
         metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         torch.cuda.reset_peak_memory_stats()

@@ -7,6 +7,15 @@ reading) or a furlong --save directory (its latest iteration, or --ref-ckpt-step
 weights (the actor copies its own model, as before). A Megatron torch_dist directory (what miles' Megatron
 recipes pass) is refused with one line naming the HF folder to give instead. Every source is checked
 against the --hf-checkpoint model's parameter names and shapes before anything is written.
+
+Where it lives (--ref-placement, ref_on_cpu): on the GPU, a bf16 copy sharded like the actor costs 2 bytes
+per parameter per rank for the whole run (8 GB at Qwen3-4B on one GPU, which the trainer's token budget
+then lacks). On the CPU its bf16 shards sit in pinned memory and FSDP2's offload policy copies each layer
+to the GPU when the reference pass first reaches it; the layers stay gathered for the pass's later
+micro-batches (reshard_after_forward=False) and are freed at its end, so a pass copies the weights once
+(one H2D of 2 bytes per parameter per step: ~0.3 s at 4B over PCIe) and the GPU holds the copy only while
+the pass runs, when no activations for a backward are alive. Auto picks the CPU when the copy would take
+more than 1/20 of the GPU's memory, or when the actor itself is offloaded.
 """
 from __future__ import annotations
 
@@ -104,6 +113,25 @@ def check_reference(cfg: Config, args: ModelArgs, resume: CheckpointChoice | Non
         raise ValueError(f"--ref-load: {path} is another model than --hf-checkpoint ({diff}: "
                          f"{theirs.get(diff)} vs {ours.get(diff)})")
     return ReferenceSource(hf_dir=path, checkpoint=None, iteration=None, what=f"{path} (--ref-load)")
+
+
+REF_GPU_SHARE = 1 / 20   # auto: largest share of one GPU's memory a resident reference may take
+
+
+def ref_on_cpu(placement: str, num_params: int, world_size: int, device: torch.device,
+               actor_offloaded: bool, device_memory_bytes: int | None = None) -> bool:
+    """Whether the reference's weights live in CPU memory between passes (module docstring).
+    `device_memory_bytes`: the GPU's total memory (default: read from `device`)."""
+    if placement != "auto":
+        return placement == "cpu"
+    if actor_offloaded:
+        return True
+    if device.type != "cuda":   # nothing to save on a CPU run: "gpu" and "cpu" are the same memory
+        return False
+    if device_memory_bytes is None:
+        import torch
+        device_memory_bytes = torch.cuda.get_device_properties(device).total_memory
+    return 2 * num_params / world_size > REF_GPU_SHARE * device_memory_bytes
 
 
 def load_reference(source: ReferenceSource | None, hf_checkpoint: Path, dtype: torch.dtype,

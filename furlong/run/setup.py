@@ -7,6 +7,7 @@ reads; what the loop does with it (rollout, train, sync, save) is spelled out in
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -68,7 +69,7 @@ class RunParts:
     filter_fn: GroupFilter | None              # --dynamic-sampling-filter-path
     actor: Actor | None                        # None for `furlong eval`
     start_rollout: int                         # first rollout id to run (after a resume: the next one)
-    num_params: int                            # the policy's parameter count (MFU)
+    train_flops_per_token: int                 # the actor's training FLOPs per token (MFU; trainer/mfu.py)
     critic: Critic | None = None               # ppo only
     functions: RolloutFunctions | None = None  # custom generate / rollout functions (run/rollout_step.py)
     paused: PausedGroups | None = None         # --partial-rollout: groups paused by one rollout for the next
@@ -104,9 +105,11 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctio
         from furlong.trainer.actor import Actor
         # full-parameter: fp32 masters; LoRA: the frozen base in the compute dtype (fsdp.py), adapters fp32
         base_dtype = torch.float32 if cfg.lora.lora_rank == 0 else dtype
-        from furlong.run.reference import load_reference
+        from furlong.run.reference import load_reference, ref_on_cpu
         loss = "custom" if cfg.custom.loss_type == "custom_loss" else "rl"
-        actor = Actor(load_pretrained(ckpt, dtype=base_dtype, device=device), actor_config(cfg), ctx, loss=loss,
+        actor_cfg = dataclasses.replace(actor_config(cfg), ref_on_cpu=ref_on_cpu(
+            cfg.ref.ref_placement, num_params, ctx.world_size, device, cfg.parallel.fsdp_cpu_offload))
+        actor = Actor(load_pretrained(ckpt, dtype=base_dtype, device=device), actor_cfg, ctx, loss=loss,
                       ref_model=load_reference(inputs.reference, ckpt, base_dtype, device))
         if critic_ckpt is not None:   # before the probe, which then measures with the critic (and its AdamW state)
             from furlong.trainer.critic import build_critic
@@ -153,8 +156,10 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctio
         logger.line(give_up_rule(config.rollout, len(dataset), inputs.filter_fn.name))
     if resume is not None and not with_actor:
         logger.line(f"evaluating iteration {resume.iteration} of {cfg.ckpt.load} ({resume.path})")
-    if inputs.reference is not None and not inputs.reference.is_initial:
-        logger.line(f"reference model: {inputs.reference.what}")
+    if actor is not None and actor.ref_model is not None:
+        where = "in CPU memory between passes" if actor.cfg.ref_on_cpu else f"resident on the {device.type}"
+        logger.line(f"reference model: {inputs.reference.what if inputs.reference else 'the initial weights'}, "
+                    f"{where} (--ref-placement {cfg.ref.ref_placement})")
 
     start_rollout = cfg.length.start_rollout_id or 0   # --start-rollout-id wins over the checkpoint's (miles)
     paused = None
@@ -171,8 +176,9 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctio
         dropped = logger.cut_back(start_rollout - 1)
         logger.line(f"resumed from iteration {resume.iteration} ({state.path}; rollout {state.rollout_id + 1} "
                     f"done); {dropped} metrics line(s) after it dropped from {out / 'metrics.jsonl'}")
+    from furlong.trainer.mfu import model_flops_per_token
     eval_sets = [] if config.debug.train_only else inputs.eval_sets   # replayed rollouts: no eval (miles)
     return RunParts(config=config, ctx=ctx, output_dir=out, logger=logger, dataset=dataset, eval_sets=eval_sets,
                     engine=engine, reward_fn=inputs.reward_fn, filter_fn=inputs.filter_fn, actor=actor,
-                    start_rollout=start_rollout, num_params=num_params, critic=critic, functions=inputs.functions,
-                    paused=paused)
+                    start_rollout=start_rollout, critic=critic, functions=inputs.functions, paused=paused,
+                    train_flops_per_token=0 if actor is None else model_flops_per_token(actor.model))

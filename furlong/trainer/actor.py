@@ -20,6 +20,7 @@ is the same model with its adapters switched off, no second copy.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import copy
 import time
 import warnings
@@ -63,6 +64,16 @@ def _sft(mb: MicroBatch, logp: torch.Tensor, ent: torch.Tensor | None, cfg: Loss
 LOSSES: dict[str, Callable] = {"rl": _rl, "sft": _sft, "custom": custom_loss}
 
 
+def reference_shard(cfg: Actor.Config) -> ShardConfig:
+    """The reference's placement: the actor's, or offloaded to the CPU (--ref-placement). Offloaded, its
+    layers stay gathered from their first micro-batch to the end of the pass (no_grad_pass reshards
+    them), so a pass copies each weight to the GPU once rather than once per micro-batch."""
+    if not cfg.ref_on_cpu:
+        return cfg.shard
+    return dataclasses.replace(cfg.shard, cpu_offload=True, reshard_after_forward=False,
+                               gradient_checkpointing=False)
+
+
 class Actor(Trainer):
     @dataclass(frozen=True)
     class Config:
@@ -73,6 +84,8 @@ class Actor(Trainer):
         use_ref_model: bool          # keep a frozen copy of the initial weights (KL loss or KL in the reward)
         total_steps: int             # optimizer steps of the LR schedule
         lora: LoraConfig | None = None   # adapters on a frozen base (--lora-rank >= 1); None: full-parameter
+        # the reference's bf16 shards in (pinned) CPU memory, copied in once per pass (run/reference.py)
+        ref_on_cpu: bool = False
 
     def __init__(self, model: torch.nn.Module, cfg: Actor.Config, ctx: DistContext, loss: str = "rl",
                  ref_model: torch.nn.Module | None = None):
@@ -92,7 +105,7 @@ class Actor(Trainer):
         self.ref_model = None
         if ref is not None:
             ref.requires_grad_(False)
-            self.ref_model = prepare_trainer_model(ref, ctx, cfg.shard).eval()
+            self.ref_model = prepare_trainer_model(ref, ctx, reference_shard(cfg)).eval()
         # bytes of LM-head logits a training forward keeps for its backward (logprobs.py); the memory
         # probe measures without them and counts this budget as fixed memory
         self.keep_logits_bytes = keep_logits_budget(ctx.device)
@@ -162,4 +175,5 @@ class Actor(Trainer):
         """--ref-update-interval: the reference takes the actor's current weights. Both are sharded alike
         (same model, same ShardConfig), so each rank copies its own shards: no gather."""
         for ref, p in zip(self.ref_model.parameters(), self.model.parameters()):
-            ref.copy_(p)
+            # local shards: an offloaded reference's sit in CPU memory, the actor's on the GPU
+            ref.to_local().copy_(p.to_local())

@@ -1,6 +1,10 @@
 """Model FLOPs utilisation, with the peak rate of the GPU in use.
 
-6 * params FLOPs per trained token (forward + backward; attention ignored) over the peak dense bf16 rate of the GPUs in use.
+FLOPs per trained token (attention ignored): 2 per weight in the forward, 2 per weight for the backward's
+input gradients, and 2 per *trained* weight for the weight gradients: 6 x params for full-parameter
+training, about 4 x params under LoRA (the frozen base gets no weight gradients, which the usual 6N
+convention would count, overstating a LoRA run's MFU by ~1.5x). Over the peak dense bf16 rate of the
+GPUs in use; recompute's extra forward is not counted (the usual convention: MFU counts useful work).
 
 The peak comes from the device itself: a table of datasheet dense bf16 rates by device name, or,
 for a GPU the table does not know, a short measurement (the best of a few 8192^3 bf16 matmuls;
@@ -48,9 +52,21 @@ def peak_bf16_flops(device_name: str, device: torch.device | None = None) -> tup
     return _measure(device), "measured"
 
 
-def mfu(num_params: int, num_tokens: int, seconds: float, device: torch.device, world_size: int) -> float:
+def train_flops_per_token(num_params: int, num_trainable_params: int) -> int:
+    """Forward and backward FLOPs per token (module docstring); num_params counts every weight a token
+    goes through (a LoRA run's base and adapters), num_trainable_params those that get gradients."""
+    return 4 * num_params + 2 * num_trainable_params
+
+
+def model_flops_per_token(model: torch.nn.Module) -> int:
+    """train_flops_per_token of a trainer's model (sharded or not: a DTensor's numel is the whole tensor's)."""
+    params = list(model.parameters())
+    return train_flops_per_token(sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad))
+
+
+def mfu(flops_per_token: int, num_tokens: int, seconds: float, device: torch.device, world_size: int) -> float:
     """Training MFU over all ranks (0.0 off CUDA or when the time is 0)."""
     if device.type != "cuda" or seconds <= 0:
         return 0.0
     peak, _ = peak_bf16_flops(torch.cuda.get_device_name(device), device)
-    return 6 * num_params * num_tokens / seconds / (peak * world_size) if peak > 0 else 0.0
+    return flops_per_token * num_tokens / seconds / (peak * world_size) if peak > 0 else 0.0
