@@ -18,7 +18,7 @@ for part in "$@"; do
     lora-gpu) timeout -k 10 200 python3 -m pytest -m gpu -q -s --timeout=180 -p no:cacheprovider tests/test_lora_gpu.py \
                    >"$OUT/lora_gpu.log" 2>&1; echo "== lora-gpu: exit $?"; grep -E "passed|failed|gap|FAILED" "$OUT/lora_gpu.log" | tail -5 ;;
     gpu-tests) timeout -k 10 300 python3 -m pytest -m gpu -q -s --timeout=240 -p no:cacheprovider \
-                   tests/test_kv_fp8_gpu.py tests/test_engine_gpu.py tests/test_actor.py >"$OUT/gpu_tests.log" 2>&1
+                   tests/test_kv_fp8_gpu.py tests/test_engine_gpu.py tests/test_actor.py tests/test_offload_gpu.py >"$OUT/gpu_tests.log" 2>&1
                echo "== gpu-tests: exit $?"; grep -E "passed|failed|gap|FAILED" "$OUT/gpu_tests.log" | tail -8 ;;
     decode-fp8) timeout -k 10 120 python3 bench/profile_decode.py --batch 256 --context 640 --kv-dtype bf16,fp8_e4m3 \
                    --out "$OUT" >"$OUT/profile_decode.log" 2>&1; echo "== decode-fp8: exit $?"
