@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device runs behind BENCHMARKS.md "Bigger models, fp8 KV": each step writes JSON/logs into $OUT.
 #   bash bench/bigger_models.sh PART...   PART: gpu-tests | decode-fp8 | seed-fp8 | 4b | 4b-lora | 8b-offload |
-#                                               8b-lora | long-fp8 | 1p7b | 4b-ref
+#                                               8b-lora | long-fp8 | 1p7b | 4b-ref | lora-apply
 # Every run is bounded by `timeout` so that $OUT always comes back within the device call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +28,9 @@ for part in "$@"; do
     1p7b) bench qwen3_1p7b 240 --workload bench/qwen3_1p7b_workload.json --parts train,rollout ;;
     # the KL reference resident vs in CPU memory (--ref-placement): GPU memory held, pass time
     4b-ref) bench qwen3_4b_ref 200 --workload bench/qwen3_4b_workload.json --parts ref ;;
+    # LoRA applied in the engine's forward vs merged at sync: the projections' extra time per decode step
+    lora-apply) timeout -k 10 120 python3 bench/lora_engine_cost.py --workload bench/qwen3_8b_workload.json \
+                   --out "$OUT" >"$OUT/lora_engine_cost.log" 2>&1; echo "== lora-apply: exit $?"; tail -14 "$OUT/lora_engine_cost.log" ;;
     4b) bench qwen3_4b 300 --workload bench/qwen3_4b_workload.json --parts train,rollout ;;
     8b-offload) FURLONG_BENCH_GUARD_S=280 bench qwen3_8b_offload 310 --workload bench/qwen3_8b_workload.json --parts train --fsdp-cpu-offload ;;
     8b-lora) FURLONG_BENCH_GUARD_S=200 bench qwen3_8b_lora 300 --workload bench/qwen3_8b_workload.json --parts train,rollout --lora-rank 64 \
