@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from furlong.config_field import flag
+from furlong.config_field import RUN_DIR_SAMPLES, flag
 
 if TYPE_CHECKING:
     from furlong.config import Config
@@ -61,13 +61,16 @@ class TrackingFlags:
 
 @dataclass
 class DebugFlags:
-    debug_rollout_only: bool = flag(False, "rollouts only: no training and no weight sync (with "
-                                    "--save-debug-rollout-data: record them)")
+    debug_rollout_only: bool = flag(False, "rollouts only: no trainer is built (no trainer model, optimizer, "
+                                    "reference or critic; nothing saved), the engine loads --hf-checkpoint, or "
+                                    "--load's weights and prompt position; with --save-debug-rollout-data: "
+                                    "record them")
     debug_train_only: bool = flag(False, "training only, on --load-debug-rollout-data: no generation, no eval")
     load_debug_rollout_data: str | None = flag(None, "replay saved rollouts into training instead of generating "
                                                "(implies --debug-train-only): a run directory saved with "
-                                               "--save-debug-rollout-data or --dump-details, or a path with "
-                                               "{rollout_id}")
+                                               "--save-debug-rollout-data or --dump-details, or a path "
+                                               "template with {rollout_id} (--save-debug-rollout-data "
+                                               "TEMPLATE's; furlong's JSONL, not miles' .pt)")
     save_debug_train_data: str | None = flag(None, "torch.save each rollout's train samples to this path "
                                              "template ({rollout_id}, {rank})")
     dump_details: str | None = flag(None, "debug dumps under this directory: rollout_data/{rollout_id}.jsonl "
@@ -88,6 +91,11 @@ def start_up_notes(cfg: Config) -> list[str]:
         notes.append("--tb-project-name: no effect without --use-tensorboard")
     if cfg.eval_set.eval_config is not None and cfg.eval.eval_prompt_data:
         notes.append("--eval-prompt-data: ignored, --eval-config gives the eval sets (as in miles)")
+    if cfg.debug.dump_details is not None and cfg.log.save_debug_rollout_data is not None:
+        notes.append("--save-debug-rollout-data: replaced by --dump-details' rollout_data/{rollout_id}.jsonl (as in "
+                     "miles)")
+    if cfg.debug.debug_rollout_only and cfg.ckpt.save is not None:
+        notes.append("--save: nothing is saved under --debug-rollout-only (nothing trains)")
     if cfg.reward_mode.group_rm and cfg.reward.custom_rm_path is None:
         notes.append("--group-rm: no effect without --custom-rm-path (built-in rewards score one sample at a time)")
     return notes
@@ -114,8 +122,13 @@ def check_debug_flags(cfg: Config) -> None:
          "--debug-rollout-only", "cannot be combined with --debug-train-only or --load-debug-rollout-data")
     need(not d.debug_train_only or d.load_debug_rollout_data is not None, "--debug-train-only",
          "needs --load-debug-rollout-data (the rollouts to train on; furlong has no rollout servers to leave out)")
+    save = cfg.log.save_debug_rollout_data
+    need(save is None or save == RUN_DIR_SAMPLES or "{rollout_id}" in save, "--save-debug-rollout-data",
+         f"{save!r} has no {{rollout_id}}: every rollout would overwrite one file; give a path template with "
+         "{rollout_id}, or the flag bare for the run directory's samples/")
     for name, template in (("--save-debug-train-data", d.save_debug_train_data),
-                           ("--load-debug-rollout-data", d.load_debug_rollout_data)):
+                           ("--load-debug-rollout-data", d.load_debug_rollout_data),
+                           ("--save-debug-rollout-data", save if save != RUN_DIR_SAMPLES else None)):
         try:
             if template is not None:
                 template.format(rollout_id=0, rank=0)
