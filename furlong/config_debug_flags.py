@@ -42,7 +42,8 @@ class RewardModeFlags:
 @dataclass
 class MetricFlags:
     get_mismatch_metrics: bool = flag(False, "log engine-vs-trainer log-prob mismatch metrics (train/mis_*, "
-                                      "train/train_rollout_*); the loss is unchanged")
+                                      "train/train_rollout_*) and the new/old ratio train/ois; the loss is "
+                                      "unchanged")
     log_passrate: bool = flag(False, "log pass@k (k = 1, 2, 4 .. n) of each rollout (passrate/) and eval set")
     log_reward_category: str | None = flag(None, "key of the reward dict (--reward-key) whose value is a "
                                            "category: log each category's share (rollout/error_cat/)")

@@ -61,6 +61,7 @@ class RunConfig:
     debug: DebugConfig = DebugConfig()                                # miles' debug modes (run/debug_data.py)
     reward_logs: RewardLogConfig = RewardLogConfig()                  # --log-passrate, --log-reward-category
     mismatch_metrics: bool = False                                    # --get-mismatch-metrics
+    log_ois: bool = False                    # train/ois: with --get-mismatch-metrics or --use-tis (as miles)
     ref_update_interval: int | None = None   # the reference takes the actor's weights every N rollouts
     reset_optimizer_states: bool = False     # zero the trainers' optimizer state before each rollout's training
 
@@ -238,7 +239,7 @@ def run_config(cfg: Config) -> RunConfig:
         ci_check_kl=lg.ci_test and not lg.ci_disable_kl_checker and not a.use_rollout_logprobs,
         max_nonfinite_skips=cfg.optim.max_nonfinite_skips, generate=generate_config(cfg), debug=debug,
         reward_logs=RewardLogConfig(cfg.metrics.log_passrate, cfg.metrics.log_reward_category),
-        mismatch_metrics=cfg.metrics.get_mismatch_metrics,
+        mismatch_metrics=cfg.metrics.get_mismatch_metrics, log_ois=cfg.metrics.get_mismatch_metrics or a.use_tis,
         ref_update_interval=cfg.ref.ref_update_interval, reset_optimizer_states=cfg.ref.reset_optimizer_states)
 
 
