@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 @dataclass
 class EvalSetFlags:
     eval_config: str | None = flag(None, "YAML/JSON file (or base64:<payload>) of eval sets, miles' format: "
-                                   "eval: {defaults: {...}, datasets: [{name, path, ...}]}; replaces "
-                                   "--eval-prompt-data")
+                                   "eval: {defaults: {...}, datasets: [{name, path, ...}]}, with ${...} "
+                                   "references between its keys; replaces --eval-prompt-data")
     eval_function_path: str | None = flag(None, "fn(args, rollout_id, data_source, evaluation=True) -> {name: "
                                           "samples} replacing the eval generation (module path); data_source "
                                           "is the run's eval sets")
