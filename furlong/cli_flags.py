@@ -100,7 +100,8 @@ def _flag_kwargs(f: dataclasses.Field) -> dict[str, Any]:
         return {"nargs": f.metadata.get("nargs", "+"), "type": str, "metavar": "STR", "help": _help(f)}
     base = t.split("|")[0]
     conv: Callable[[str], Any] = {"int": int, "float": float, "str": str}[base]
-    return {"type": conv, "metavar": _metavar(f, base), "help": _help(f)}
+    optional = {"nargs": "?", "const": f.metadata["const"]} if "const" in f.metadata else {}   # bare flag: const
+    return {"type": conv, "metavar": _metavar(f, base), "help": _help(f), **optional}
 
 
 def _config_groups() -> list[tuple[str, type]]:

@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from furlong.config_field import flag  # noqa: F401  (defined there so that config_debug_flags.py can use it too)
+from furlong.config_field import RUN_DIR_SAMPLES, flag  # noqa: F401  (there so that config_debug_flags.py can use them too)
 
 
 @dataclass
@@ -211,7 +211,11 @@ class LogFlags:
     wandb_group: str | None = flag(None, "wandb group")
     wandb_key: str | None = flag(None, "wandb API key")
     disable_wandb_random_suffix: bool = flag(False, "no random suffix on the wandb run name")
-    save_debug_rollout_data: bool = flag(False, "write each training rollout's samples")
+    save_debug_rollout_data: str | None = flag(
+        None, "write each training rollout's samples to this path template ({rollout_id}; eval samples to "
+              "rollout_id eval_<id>), miles' form; the content is furlong's JSONL rollout file (run/debug_data.py), "
+              "not miles' .pt pickle, and --load-debug-rollout-data replays it. Bare: "
+              "<output-dir>/samples/rollout_train_<k>.jsonl", const=RUN_DIR_SAMPLES)
     ci_test: bool = flag(False, "fail the run unless an eval metric reaches the threshold")
     ci_disable_kl_checker: bool = flag(False, "skip the step-0 ppo_kl ~ 0 check")
     ci_metric_checker_key: str | None = flag(None, "metric checked by --ci-test")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from furlong.config_field import flag
+from furlong.config_field import RUN_DIR_SAMPLES, flag
 
 if TYPE_CHECKING:
     from furlong.config import Config
@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 @dataclass
 class EvalSetFlags:
     eval_config: str | None = flag(None, "YAML/JSON file (or base64:<payload>) of eval sets, miles' format: "
-                                   "eval: {defaults: {...}, datasets: [{name, path, ...}]}; replaces "
-                                   "--eval-prompt-data")
+                                   "eval: {defaults: {...}, datasets: [{name, path, ...}]}, with ${...} "
+                                   "references between its keys; replaces --eval-prompt-data")
     eval_function_path: str | None = flag(None, "fn(args, rollout_id, data_source, evaluation=True) -> {name: "
                                           "samples} replacing the eval generation (module path); data_source "
                                           "is the run's eval sets")
@@ -42,7 +42,8 @@ class RewardModeFlags:
 @dataclass
 class MetricFlags:
     get_mismatch_metrics: bool = flag(False, "log engine-vs-trainer log-prob mismatch metrics (train/mis_*, "
-                                      "train/train_rollout_*); the loss is unchanged")
+                                      "train/train_rollout_*) and the new/old ratio train/ois; the loss is "
+                                      "unchanged")
     log_passrate: bool = flag(False, "log pass@k (k = 1, 2, 4 .. n) of each rollout (passrate/) and eval set")
     log_reward_category: str | None = flag(None, "key of the reward dict (--reward-key) whose value is a "
                                            "category: log each category's share (rollout/error_cat/)")
@@ -61,13 +62,16 @@ class TrackingFlags:
 
 @dataclass
 class DebugFlags:
-    debug_rollout_only: bool = flag(False, "rollouts only: no training and no weight sync (with "
-                                    "--save-debug-rollout-data: record them)")
+    debug_rollout_only: bool = flag(False, "rollouts only: no trainer is built (no trainer model, optimizer, "
+                                    "reference or critic; nothing saved), the engine loads --hf-checkpoint, or "
+                                    "--load's weights and prompt position; with --save-debug-rollout-data: "
+                                    "record them")
     debug_train_only: bool = flag(False, "training only, on --load-debug-rollout-data: no generation, no eval")
     load_debug_rollout_data: str | None = flag(None, "replay saved rollouts into training instead of generating "
                                                "(implies --debug-train-only): a run directory saved with "
-                                               "--save-debug-rollout-data or --dump-details, or a path with "
-                                               "{rollout_id}")
+                                               "--save-debug-rollout-data or --dump-details, or a path "
+                                               "template with {rollout_id} (--save-debug-rollout-data "
+                                               "TEMPLATE's; furlong's JSONL, not miles' .pt)")
     save_debug_train_data: str | None = flag(None, "torch.save each rollout's train samples to this path "
                                              "template ({rollout_id}, {rank})")
     dump_details: str | None = flag(None, "debug dumps under this directory: rollout_data/{rollout_id}.jsonl "
@@ -88,6 +92,11 @@ def start_up_notes(cfg: Config) -> list[str]:
         notes.append("--tb-project-name: no effect without --use-tensorboard")
     if cfg.eval_set.eval_config is not None and cfg.eval.eval_prompt_data:
         notes.append("--eval-prompt-data: ignored, --eval-config gives the eval sets (as in miles)")
+    if cfg.debug.dump_details is not None and cfg.log.save_debug_rollout_data is not None:
+        notes.append("--save-debug-rollout-data: replaced by --dump-details' rollout_data/{rollout_id}.jsonl (as in "
+                     "miles)")
+    if cfg.debug.debug_rollout_only and cfg.ckpt.save is not None:
+        notes.append("--save: nothing is saved under --debug-rollout-only (nothing trains)")
     if cfg.reward_mode.group_rm and cfg.reward.custom_rm_path is None:
         notes.append("--group-rm: no effect without --custom-rm-path (built-in rewards score one sample at a time)")
     return notes
@@ -114,8 +123,13 @@ def check_debug_flags(cfg: Config) -> None:
          "--debug-rollout-only", "cannot be combined with --debug-train-only or --load-debug-rollout-data")
     need(not d.debug_train_only or d.load_debug_rollout_data is not None, "--debug-train-only",
          "needs --load-debug-rollout-data (the rollouts to train on; furlong has no rollout servers to leave out)")
+    save = cfg.log.save_debug_rollout_data
+    need(save is None or save == RUN_DIR_SAMPLES or "{rollout_id}" in save, "--save-debug-rollout-data",
+         f"{save!r} has no {{rollout_id}}: every rollout would overwrite one file; give a path template with "
+         "{rollout_id}, or the flag bare for the run directory's samples/")
     for name, template in (("--save-debug-train-data", d.save_debug_train_data),
-                           ("--load-debug-rollout-data", d.load_debug_rollout_data)):
+                           ("--load-debug-rollout-data", d.load_debug_rollout_data),
+                           ("--save-debug-rollout-data", save if save != RUN_DIR_SAMPLES else None)):
         try:
             if template is not None:
                 template.format(rollout_id=0, rank=0)

@@ -20,7 +20,7 @@ from furlong.algorithms.advantages import AdvantageConfig
 from furlong.algorithms.losses import LossConfig
 from furlong.algorithms.shaping import ShapingConfig
 from furlong.checkpoint.run import CheckpointConfig
-from furlong.config import Config
+from furlong.config import RUN_DIR_SAMPLES, Config
 from furlong.config_checks import chat_template_kwargs
 from furlong.config_train_flags import num_rollouts
 from furlong.engine.engine import EngineConfig
@@ -52,7 +52,7 @@ class RunConfig:
     checkpoint: CheckpointConfig
     num_critic_only_steps: int       # ppo: the first rollouts train only the critic
     update_weight_buffer_size: int   # bytes per weight-sync bucket
-    save_debug_rollout_data: bool    # write each training rollout's samples
+    save_debug_rollout_data: bool    # bare flag: each training rollout's samples to samples/ (a template: debug)
     ci_metric_key: str | None        # --ci-test: the eval metric that must reach ci_threshold (None: no check)
     ci_threshold: float | None
     ci_check_kl: bool                # --ci-test: the first actor step's ppo_kl must be ~0
@@ -61,6 +61,7 @@ class RunConfig:
     debug: DebugConfig = DebugConfig()                                # miles' debug modes (run/debug_data.py)
     reward_logs: RewardLogConfig = RewardLogConfig()                  # --log-passrate, --log-reward-category
     mismatch_metrics: bool = False                                    # --get-mismatch-metrics
+    log_ois: bool = False                    # train/ois: with --get-mismatch-metrics or --use-tis (as miles)
     ref_update_interval: int | None = None   # the reference takes the actor's weights every N rollouts
     reset_optimizer_states: bool = False     # zero the trainers' optimizer state before each rollout's training
 
@@ -234,13 +235,13 @@ def run_config(cfg: Config) -> RunConfig:
         steps=batching_config(cfg), shaping=shaping_config(cfg), advantages=advantage_config(cfg),
         passes=passes_config(cfg), checkpoint=checkpoint, num_critic_only_steps=a.num_critic_only_steps,
         update_weight_buffer_size=cfg.batch.update_weight_buffer_size,
-        save_debug_rollout_data=lg.save_debug_rollout_data,
+        save_debug_rollout_data=lg.save_debug_rollout_data == RUN_DIR_SAMPLES,
         ci_metric_key=lg.ci_metric_checker_key if lg.ci_test else None, ci_threshold=lg.ci_metric_checker_threshold,
         # with old log-probs from the engine the first step's ratio is not exactly 1
         ci_check_kl=lg.ci_test and not lg.ci_disable_kl_checker and not a.use_rollout_logprobs,
         max_nonfinite_skips=cfg.optim.max_nonfinite_skips, generate=generate_config(cfg), debug=debug,
         reward_logs=RewardLogConfig(cfg.metrics.log_passrate, cfg.metrics.log_reward_category),
-        mismatch_metrics=cfg.metrics.get_mismatch_metrics,
+        mismatch_metrics=cfg.metrics.get_mismatch_metrics, log_ois=cfg.metrics.get_mismatch_metrics or a.use_tis,
         ref_update_interval=cfg.ref.ref_update_interval, reset_optimizer_states=cfg.ref.reset_optimizer_states)
 
 

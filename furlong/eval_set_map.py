@@ -12,9 +12,11 @@ A set's setting is its own, else `defaults`', else the eval flag's, else the rol
 order): n_samples_per_eval_prompt, temperature, top_p, top_k, max_response_len, input_key, label_key,
 tool_key, metadata_key; stop and stop_token_ids (default the rollout's), rm_type (a built-in reward
 for this set; --custom-rm-path still wins), metadata_overrides (merged into each prompt's metadata).
-Deviations from miles: no OmegaConf `${...}` interpolation; an unknown key or a per-set
-custom_generate_function_path is refused with one line naming --eval-config (miles would fail later
-or, for the generate function, use it). --eval-config wins over --eval-prompt-data, as in miles.
+`${...}` references to other keys of the file resolve as OmegaConf resolves them for miles
+(yaml_references.py: absolute and relative key paths, list indices, inside strings). Deviations from
+miles: OmegaConf's resolvers (${oc.env:VAR}, ...) are refused with one line, as are an unknown key and
+a per-set custom_generate_function_path (miles would fail later or, for the generate function, use
+it). --eval-config wins over --eval-prompt-data, as in miles.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from typing import Any
 
 from furlong.config import Config
 from furlong.engine.sampling import SamplingParams
+from furlong.yaml_references import resolve_references
 
 FLAG = "--eval-config"
 # setting -> (eval flag attribute or None, rollout/data flag attribute): miles' fallback chain
@@ -82,6 +85,7 @@ def read_eval_config(value: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     root = _load(value)
     if not isinstance(root, dict):
         raise ValueError(f"{FLAG}: must contain a mapping at the root")
+    root = resolve_references(root, FLAG)   # miles reads the file with OmegaConf: ${...} between its keys
     ev = root.get("eval", root)
     if not isinstance(ev, dict):
         raise ValueError(f"{FLAG}: `eval` must be a mapping")

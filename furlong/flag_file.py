@@ -44,6 +44,8 @@ def _convert(value: Any, f: dataclasses.Field, where: str, key: str) -> Any:
         if not isinstance(value, bool):
             raise bad
         return value
+    if isinstance(value, bool) and "const" in f.metadata:   # a flag that may be given bare: true is bare
+        return f.metadata["const"] if value else None
     if isinstance(value, bool):
         raise bad
     if t.startswith("list["):

@@ -117,3 +117,27 @@ def test_eval_function_path_replaces_generation(assets, tmp_path, capsys):
                             str(tmp_path / "g")], capsys)
     assert code == 2
     one_line(err, "--eval-function-path")
+
+
+def test_eval_config_references_through_eval(assets, tmp_path, capsys):
+    # miles reads --eval-config with OmegaConf: ${...} names other keys of the file
+    (tmp_path / "e.yaml").write_text(f"""
+data: {assets / "data"}
+eval:
+  defaults: {{n_samples_per_eval_prompt: 3}}
+  datasets:
+    - {{name: test, path: "${{data}}/${{.name}}.parquet", n_samples_per_eval_prompt: "${{eval.defaults.n_samples_per_eval_prompt}}"}}
+    - {{name: again, path: "${{..0.path}}", max_response_len: 2}}
+""")
+    out = tmp_path / "o"
+    code, _, err = run_cli(["eval", *common(assets), "--eval-config", str(tmp_path / "e.yaml"), "--output-dir", str(out)],
+                           capsys)
+    assert code == 0, err
+    assert len((out / "samples" / "eval_test_0.jsonl").read_text().splitlines()) == 2 * 3
+    # its path is the first set's, resolved where that one stands (${.name} is "test" there)
+    assert len((out / "samples" / "eval_again_0.jsonl").read_text().splitlines()) == 2 * 3
+    (tmp_path / "bad.yaml").write_text("eval: {datasets: [{name: a, path: '${root}/a.jsonl'}]}")
+    code, _, err = run_cli(["eval", *common(assets), "--eval-config", str(tmp_path / "bad.yaml"),
+                            "--output-dir", str(tmp_path / "b")], capsys)
+    assert code == 2
+    one_line(err, "--eval-config", "eval.datasets[0].path", "no key root")

@@ -163,6 +163,8 @@ class LossMetrics(WeightedSums):
     kl_loss: torch.Tensor       # [] KL estimate vs the reference (0 without --use-kl-loss)
     entropy: torch.Tensor       # [] policy entropy (0 when not computed)
     rollout_logprob_abs_diff: torch.Tensor   # [] |trainer - engine| log-prob of the sampled tokens
+    ois: torch.Tensor           # [] exp(logp - old): the importance ratio the policy term applies, unclamped
+                                # (GSPO: the sequence ratio); miles' "ois", logged with its mismatch metrics
 
 
 def _wsum(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -238,6 +240,7 @@ def rl_loss(mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor | Non
         kl_loss=kl_metric,
         entropy=zero if entropy is None else _wsum(entropy, wm),
         rollout_logprob_abs_diff=_wsum((cur - rollout).abs(), wm),
+        ois=_wsum(torch.exp(-ppo_kl), wm),
     )
     return loss, metrics
 

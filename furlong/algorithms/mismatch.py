@@ -15,8 +15,14 @@ Per sample, over its trained tokens (loss mask 1), with t = trainer and r = engi
 (the mis_* set is miles' mismatch helper, examples/infra_features/train_infer_mismatch_helper). Each is
 then averaged over samples: miles' default reducer (a token mean over the batch under
 --calculate-per-token-loss). Deviation from miles: miles needs --custom-tis-function-path naming that
-helper; furlong computes the set itself, and does not log `ois` (the trainer's new/old ratio, which
-needs the training forward).
+helper; furlong computes the set itself.
+
+Beside them, with --get-mismatch-metrics or --use-tis (when miles logs it), `train/ois`: the mean over
+the trained tokens of exp(logp - old), the policy's new/old importance ratio, unclamped, with old the
+policy term's old log-probs (the engine's under --use-rollout-logprobs; GSPO: the sequence ratio). It
+needs the training forward, so the loss computes it (algorithms/losses.py LossMetrics.ois), averaged
+over the rollout's optimizer steps like train/ppo_kl; under --loss-type custom_loss it is what the
+user's function reports as "ois" (0 if none).
 """
 from __future__ import annotations
 

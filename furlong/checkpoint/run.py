@@ -56,7 +56,20 @@ def load_run(cfg: CheckpointConfig, actor: Actor, critic: Critic | None, dataset
     state = load_checkpoint(cfg.load, actor, iteration)
     if critic is not None:
         load_critic(cfg.critic_load, critic, iteration)
-    dataset.load_state_dict(state.sampler_state)
-    if paused is not None:
-        paused.load_state_dict(state.sampler_state.get(PAUSED_KEY, {"groups": []}))
+    _restore_sampler(state.sampler_state, dataset, paused)
     return state
+
+
+def resume_rollouts(trainer_state: dict, dataset: PromptDataset, paused: PausedGroups | None,
+                    start_rollout_id: int | None) -> int:
+    """--debug-rollout-only with --load: no trainer to restore, only the prompt sampler's position and the
+    paused groups of the checkpoint's trainer.pt (`trainer_state`); the first rollout id to run
+    (--start-rollout-id wins, as on a resume)."""
+    _restore_sampler(trainer_state["sampler"], dataset, paused)
+    return start_rollout_id if start_rollout_id is not None else int(trainer_state["rollout_id"]) + 1
+
+
+def _restore_sampler(sampler_state: dict, dataset: PromptDataset, paused: PausedGroups | None) -> None:
+    dataset.load_state_dict(sampler_state)
+    if paused is not None:
+        paused.load_state_dict(sampler_state.get(PAUSED_KEY, {"groups": []}))

@@ -1,14 +1,23 @@
 """miles' debugging modes: rollouts without training, training on saved rollouts, and the dumps.
 
-  --debug-rollout-only      each step stops after the rollout (no trainer passes, no optimizer step,
-                            no weight sync, no checkpoint); with --save-debug-rollout-data it records
-                            rollouts. Deviation from miles: the trainer's model is still loaded.
+  --debug-rollout-only      no trainer is built (run/setup.py: no trainer model, optimizer, reference
+                            or critic, so a model too big to train can be rolled out) and each step stops
+                            after the rollout (no weight sync, no checkpoint); the engine loads the
+                            weights of --hf-checkpoint itself. With --save-debug-rollout-data it records
+                            rollouts. Deviation from miles, which ignores --load here: a --load checkpoint
+                            gives the engine its trained weights and the prompt sampler its position, so
+                            the rollouts are those a resumed run would make next.
+  --save-debug-rollout-data TEMPLATE   each training rollout's samples to TEMPLATE.format(rollout_id=k)
+                            (miles' form; eval samples to rollout_id eval_<k>). Deviation from miles: the
+                            file is furlong's JSONL below whatever the suffix, not miles' .pt pickle. Bare
+                            (furlong's older form): <output-dir>/samples/rollout_train_<k+1>.jsonl.
   --load-debug-rollout-data the rollout stage reads rollout k's samples back instead of generating
                             (implies --debug-train-only: no weight sync into the engine, no eval, as
                             miles); the rest of the step is the live one, so a replay of a live run's
                             rollouts trains exactly as that run did (same seed). Its argument: a run
                             directory written with --save-debug-rollout-data (samples/rollout_train_<k+1>
-                            .jsonl) or --dump-details (rollout_data/<k>.jsonl), or a path with {rollout_id}.
+                            .jsonl) or --dump-details (rollout_data/<k>.jsonl), or a path template with
+                            {rollout_id} (what --save-debug-rollout-data TEMPLATE wrote).
   --save-debug-train-data   torch.save of each rollout's TrainSamples (tokens, advantages, log-probs,
                             masks, values/returns) to the template's {rollout_id}, {rank} path.
   --dump-details DIR        DIR/rollout_data/{rollout_id}.jsonl and DIR/train_data/{rollout_id}_{rank}.pt
@@ -29,6 +38,7 @@ from typing import Any
 
 import torch
 
+from furlong.config_field import RUN_DIR_SAMPLES
 from furlong.types import Group, Prompt, Sample, TrainSample
 
 FLAG = "--load-debug-rollout-data"
@@ -39,7 +49,8 @@ class DebugConfig:
     rollout_only: bool = False
     train_only: bool = False               # --debug-train-only, or implied by load_rollout_data
     load_rollout_data: str | None = None   # run dir, dump dir, or a path template with {rollout_id}
-    save_rollout_data: str | None = None   # path template with {rollout_id} (--dump-details)
+    save_rollout_data: str | None = None   # path template with {rollout_id} (--save-debug-rollout-data TEMPLATE,
+                                           # --dump-details)
     save_train_data: str | None = None     # path template with {rollout_id} and {rank}
 
 
@@ -47,11 +58,19 @@ def debug_config(cfg: Any) -> DebugConfig:
     d = cfg.debug
     dump = d.dump_details.rstrip("/") if d.dump_details is not None else None
     train = d.save_debug_train_data or (f"{dump}/train_data/{{rollout_id}}_{{rank}}.pt" if dump else None)
+    template = cfg.log.save_debug_rollout_data if cfg.log.save_debug_rollout_data != RUN_DIR_SAMPLES else None
     return DebugConfig(rollout_only=d.debug_rollout_only,
                        train_only=d.debug_train_only or d.load_debug_rollout_data is not None,
                        load_rollout_data=d.load_debug_rollout_data,
-                       save_rollout_data=f"{dump}/rollout_data/{{rollout_id}}.jsonl" if dump else None,
+                       # --dump-details wins over a template, as in miles (a start-up note says so)
+                       save_rollout_data=f"{dump}/rollout_data/{{rollout_id}}.jsonl" if dump else template,
                        save_train_data=train)
+
+
+def save_rollout_rows(template: str, rollout_id: int | str, samples: list[Sample]) -> None:
+    """The samples to the template's path (rollout_id: an int for a training rollout, "eval_<id>" for an
+    eval, as miles names them)."""
+    write_rows(Path(template.format(rollout_id=rollout_id)), [sample_row(s) for s in samples])
 
 
 def sample_row(s: Sample) -> dict[str, Any]:
@@ -100,8 +119,12 @@ def _sample(row: dict[str, Any]) -> Sample:
 def load_rollout_groups(source: str, rollout_id: int) -> list[Group]:
     """Rollout `rollout_id`'s groups as saved: samples grouped by group id in file order."""
     path = rollout_data_path(source, rollout_id)
+    data = path.read_bytes()
+    if data[:2] == b"PK" or data[:1] == b"\x80":   # torch.save's zip, or a bare pickle
+        raise ValueError(f"{FLAG}: {path} is a pickle (miles' .pt rollout dump?); furlong replays only its own "
+                         "JSONL rollout files, written by furlong's --save-debug-rollout-data or --dump-details")
     groups: dict[int, list[Sample]] = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
         try:
             s = _sample(json.loads(line))
         except (ValueError, KeyError, TypeError) as e:

@@ -1,6 +1,8 @@
 """A run's evaluation: every eval set (eval_set_map.py) through the engine, or all of them through
 --eval-function-path; metrics eval/<name> (mean reward) plus --log-passrate / --log-reward-category's,
-and each set's samples written to samples/eval_<name>_<k>.jsonl (rank 0).
+and each set's samples written to samples/eval_<name>_<k>.jsonl (rank 0), and all of them to
+--save-debug-rollout-data's template with rollout_id eval_<k-1> (miles' names: the eval before training
+is eval_0 too, so an eval after rollout 1 replaces its file, as in miles).
 
 --eval-function-path is miles' eval rollout function, `fn(args, rollout_id, data_source, evaluation=True)`
 (may be `async def`), returning {name: samples} where samples is a list of Sample, a list of groups, or
@@ -20,6 +22,7 @@ from furlong.rollout.async_rollout import run_coroutine
 from furlong.rollout.custom_generate import GenerateError
 from furlong.rollout.rollout import reward_groups
 from furlong.rollout.rollout_metrics import tool_call_ratio
+from furlong.run.debug_data import save_rollout_rows
 from furlong.run.metrics import write_samples
 from furlong.run.reward_metrics import eval_reward_logs
 from furlong.run.rollout_step import _front, eval_step
@@ -46,6 +49,10 @@ def run_evals(parts: RunParts, rollout_id: int) -> dict[str, float]:
             parts.logger.line(f"[eval {es.name}] {res.score:.3f} ({res.num_samples} samples, "
                               f"{time.perf_counter() - t:.1f}s)")
             results[es.name] = (res.score, res.samples, n)
+    template = parts.config.debug.save_rollout_data
+    if template is not None and parts.ctx.rank == 0:   # every set in one file, as miles writes eval data
+        save_rollout_rows(template, f"eval_{max(rollout_id, 0)}",
+                          [s for _, samples, _ in results.values() for s in samples])
     for name, (score, samples, n) in results.items():
         out[f"eval/{name}"] = score
         out.update(eval_reward_logs(name, samples, n, parts.config.reward_logs))

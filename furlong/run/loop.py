@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -23,7 +22,7 @@ from furlong.checkpoint.run import save_run
 from furlong.config import Config
 from furlong.launch.failure import Position
 from furlong.launch.signals import StopRequest
-from furlong.run.debug_data import sample_row, write_rows
+from furlong.run.debug_data import save_rollout_rows
 from furlong.run.evals import run_evals
 from furlong.run.metrics import Progress, progress_line, write_samples
 from furlong.run.setup import RunParts, build_run
@@ -138,9 +137,8 @@ def _rollouts(parts: RunParts, ci: CiChecker, progress: Progress, stop: StopRequ
             ci.check_first_step_kl(step.train.ppo_kl)
         if config.save_debug_rollout_data and ctx.rank == 0:
             write_samples(parts.output_dir, "train", rollout_id, step.batch.samples, prefix="rollout")
-        if config.debug.save_rollout_data is not None and ctx.rank == 0:   # --dump-details
-            write_rows(Path(config.debug.save_rollout_data.format(rollout_id=rollout_id)),
-                       [sample_row(s) for s in step.batch.samples])
+        if config.debug.save_rollout_data is not None and ctx.rank == 0:   # a template, or --dump-details
+            save_rollout_rows(config.debug.save_rollout_data, rollout_id, step.batch.samples)
         if eval_every is not None and parts.eval_sets and (rollout_id + 1) % eval_every == 0:
             m = clock.run("eval", run_evals, parts, rollout_id)
             ci.observe(m)

@@ -133,7 +133,10 @@ class CheckedInputs:
 
 def check_inputs(cfg: Config, with_actor: bool, user: UserFunctions | None = None) -> CheckedInputs:
     """Step 1 of build_run (module docstring); `with_actor` False for `furlong eval`; `user`: the
-    Python API's callables (run/user_functions.py)."""
+    Python API's callables (run/user_functions.py). Under --debug-rollout-only a training run has no
+    trainer: no reference, critic or save directories are checked, and a --load checkpoint is one for
+    the engine (as for `furlong eval`)."""
+    trains = with_actor and not cfg.debug.debug_rollout_only
     from furlong.config_checks import chat_template_kwargs
     from furlong.eval_set_map import eval_set_configs
     from furlong.rewards.run_rewards import eval_reward_key, make_reward
@@ -190,20 +193,20 @@ def check_inputs(cfg: Config, with_actor: bool, user: UserFunctions | None = Non
     resume = None
     if cfg.ckpt.load is not None and not nothing_saved_yet(cfg):
         resume = choose_checkpoint(cfg.ckpt.load, cfg.ckpt.ckpt_step, None)
-        check_checkpoint_model(resume, args, cfg, with_actor)   # the model's names and shapes, LoRA or not
+        check_checkpoint_model(resume, args, cfg, trains)   # the model's names and shapes, LoRA or not
         if with_actor and cfg.length.start_rollout_id is None and resume.iteration > cfg.rollout.num_rollout:
             raise ValueError(f"--num-rollout: {cfg.rollout.num_rollout} is below the {resume.iteration} rollouts "
                              f"already done by {resume.path}")
     start = cfg.length.start_rollout_id
     if with_actor and start is not None and start >= num_rollouts(cfg):
         raise ValueError(f"--start-rollout-id: {start} leaves no rollout of --num-rollout {num_rollouts(cfg)} to run")
-    reference = check_reference(cfg, args, resume) if with_actor else None
+    reference = check_reference(cfg, args, resume) if trains else None
     out = default_output_dir(cfg)
     check_writable(out, "--output-dir")
-    if cfg.ckpt.save is not None:
+    if cfg.ckpt.save is not None and trains:
         check_writable(cfg.ckpt.save, "--save")
     critic_ckpt = None
-    if with_actor and cfg.algo.advantage_estimator == "ppo":
+    if trains and cfg.algo.advantage_estimator == "ppo":
         critic_ckpt = check_critic_inputs(cfg, ckpt, args.vocab_size, resume.iteration if resume is not None else None)
     run_dirs = check_run_dirs(cfg, out, with_actor and critic_ckpt is not None) if with_actor else \
         plan_run_dirs(out, [], None, cfg.log.overwrite)   # eval: a run directory of its own
@@ -217,7 +220,7 @@ def check_run_dirs(cfg: Config, out: Path, with_critic: bool) -> RunDirs:
     """--output-dir and the save directories against the run's id (run/identity.py)."""
     from furlong.config_map import checkpoint_config
     paths = checkpoint_config(cfg)
-    saves = [] if paths.save is None else [("--save", paths.save, paths.load)]
+    saves = [] if paths.save is None or cfg.debug.debug_rollout_only else [("--save", paths.save, paths.load)]
     if with_critic and paths.critic_save is not None:
         saves.append(("--critic-save", paths.critic_save, paths.critic_load))
     return plan_run_dirs(out, saves, cfg.ckpt.load, cfg.log.overwrite)

@@ -88,11 +88,13 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctio
                                               inputs.resume, inputs.output_dir)
     dataset, critic_ckpt = inputs.dataset, inputs.critic_checkpoint
 
-    # 2. models
+    # 2. models; --debug-rollout-only builds no trainer (no model copy, optimizer, reference or critic), so a
+    # model too big to train can still be rolled out: the engine's weights come from the checkpoint itself
+    trains = with_actor and not cfg.debug.debug_rollout_only
     device = ctx.device
     dtype = compute_dtype(device, cfg.parallel.dtype)
     engine_model = load_pretrained(ckpt, dtype=dtype, device=device)
-    if resume is not None and not with_actor:   # furlong eval --load: score the trained weights
+    if resume is not None and not trains:   # furlong eval --load, or rollouts of the trained weights
         from furlong.checkpoint.store import load_model_weights
         load_model_weights(cfg.ckpt.load, engine_model, resume.iteration)
     num_params = sum(p.numel() for p in engine_model.parameters())
@@ -101,7 +103,7 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctio
                     engine_config(cfg, max_model_len=max_prompt_len + max_resp))
     config = run_config(cfg)
     actor = critic = None
-    if with_actor:
+    if trains:
         from furlong.trainer.actor import Actor
         # full-parameter: fp32 masters; LoRA: the frozen base in the compute dtype (fsdp.py), adapters fp32
         base_dtype = torch.float32 if cfg.lora.lora_rank == 0 else dtype
@@ -139,7 +141,7 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctio
         prepare_run_dirs(inputs.run_dirs)   # --overwrite's clearing, and the run id in each directory
         # a fresh start under --load (nothing saved yet: preflight.nothing_saved_yet) drops the lines of the
         # attempt that died before its first save, so each rollout is logged once
-        fresh_restart = cfg.ckpt.load is not None and resume is None and with_actor
+        fresh_restart = cfg.ckpt.load is not None and resume is None and trains
         if fresh_restart and (out / "metrics.jsonl").exists():
             (out / "metrics.jsonl").unlink()
         (out / "config.json").write_text(json.dumps(run_record(cfg, inputs.run_dirs.run_id), indent=1, default=str))
@@ -166,8 +168,8 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctio
     if config.rollout.partial_rollout and with_actor:
         from furlong.rollout.partial import PausedGroups
         paused = PausedGroups()
+    from furlong.checkpoint.run import load_run, resume_rollouts
     if resume is not None and actor is not None:
-        from furlong.checkpoint.run import load_run
         from furlong.trainer.weight_sync import sync_weights
         state = load_run(config.checkpoint, actor, critic, dataset, resume.iteration, paused)
         if cfg.length.start_rollout_id is None:
@@ -176,6 +178,12 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctio
         dropped = logger.cut_back(start_rollout - 1)
         logger.line(f"resumed from iteration {resume.iteration} ({state.path}; rollout {state.rollout_id + 1} "
                     f"done); {dropped} metrics line(s) after it dropped from {out / 'metrics.jsonl'}")
+    elif resume is not None and with_actor:   # --debug-rollout-only: the saved prompt order, without a trainer
+        start_rollout = resume_rollouts(resume.trainer_state, dataset, paused, cfg.length.start_rollout_id)
+    if with_actor and not trains:
+        logger.line("--debug-rollout-only: no trainer; the engine holds " + (
+            f"iteration {resume.iteration} of {cfg.ckpt.load} (prompts from rollout {start_rollout + 1} on)"
+            if resume is not None else str(ckpt)))
     from furlong.trainer.mfu import model_flops_per_token
     eval_sets = [] if config.debug.train_only else inputs.eval_sets   # replayed rollouts: no eval (miles)
     return RunParts(config=config, ctx=ctx, output_dir=out, logger=logger, dataset=dataset, eval_sets=eval_sets,

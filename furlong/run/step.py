@@ -221,7 +221,7 @@ def rl_step(parts: RunParts, rollout_id: int, clock: StageClock) -> StepOutput:
         train = clock.run("actor_train", actor.train_step, samples, cfg.steps)
         if not cfg.debug.train_only:   # replayed rollouts: the engine generates nothing (miles skips it too)
             clock.run("update_weights", sync_weights, actor.model, parts.engine.model, cfg.update_weight_buffer_size)
-        metrics.update(train.to_log())
+        metrics.update({k: v for k, v in train.to_log().items() if k != "train/ois" or cfg.log_ois})
     n = cfg.ref_update_interval
     if n is not None and train is not None and actor.ref_model is not None and (rollout_id + 1) % n == 0:
         # miles: at the end of the actor's train step

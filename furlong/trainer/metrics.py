@@ -47,6 +47,7 @@ class TrainMetrics:
     entropy: float
     kl_loss: float
     rollout_logprob_abs_diff: float   # mean |trainer - engine| log-prob of the trained tokens (same weights)
+    ois: float                    # mean new/old ratio exp(logp - old) (algorithms/mismatch.py says when logged)
     grad_norm: float              # before clipping, mean over steps
     lr: float                     # learning rate of the last step
     num_steps: int                # optimizer steps taken
