@@ -125,3 +125,15 @@ def test_engine_with_cascade_samples_what_it_samples_without(model, kv_tokens):
         for (ta, la), (tb, lb) in zip(cs_a, cs_b):
             assert ta == tb
             torch.testing.assert_close(torch.tensor(la), torch.tensor(lb), atol=1e-5, rtol=0)
+
+
+def test_plan_groups_joins_the_requests_of_one_shared_prefill():
+    """Requests admitted on one shared prompt (scheduler.py sets their fork_group to the host's serial)
+    read it as one group; another prefill of the same tokens is its own group."""
+    params = SamplingParams(temperature=0, max_new_tokens=4)
+    seqs = [new_sequences(Request(i, [1, 2, 3], params, n=1))[0] for i in range(5)]
+    for s, group in zip(seqs, (7, 7, 7, 9, 9)):
+        s.fork_group = group
+    assert plan_groups(seqs, members=8)[1] == [[0, 1, 2], [3, 4]]
+    seqs[1].num_preemptions = 1
+    assert plan_groups(seqs, members=8)[1] == [[0, 2], [3, 4]]

@@ -3,7 +3,8 @@ prefills it once and forks its pages (scheduler.py, "Shared prompts"). Checked a
 sharing off (EngineConfig.share_prompts=False, each request prefilled alone): the same tokens, token for
 token, greedy and seeded sampling, through the real custom-generate group path (async_rollout.generate_group
 via generate_eval_custom); prompt tokens prefilled drop by exactly (n - 1) x each prompt's length; the
-joiners take no prefill budget (one prefill step where the unshared engine needs n); pages all come back."""
+joiners take no prefill budget (one prefill step where the unshared engine needs n); pages all come back;
+decode reads a shared prompt once per group (cascade), with the same tokens."""
 from __future__ import annotations
 
 import dataclasses
@@ -87,3 +88,17 @@ def test_joiners_take_no_prefill_budget(ckpt):
     assert [[x[0] for x in g] for g in shared] == [[x[0] for x in g] for g in alone]
     assert s_stats.num_prefill_steps == 3
     assert a_stats.num_prefill_steps >= -(-N * sum(len(p) for p in PROMPTS) // budget)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_shared_prompts_decode_as_one_cascade_group(ckpt, temperature):
+    """With cascade on for these short prompts (min prefix 8), the n conversations of a shared prompt are
+    grouped in decode (as a request's n samples are); unshared they cannot be (n = 1 each); same tokens."""
+    sampling = SamplingParams(temperature=temperature, max_new_tokens=6)
+    shared, s_stats = run_groups(ckpt, one_turn, sampling, share=True, cascade_min_prefix=8)
+    alone, a_stats = run_groups(ckpt, one_turn, sampling, share=False, cascade_min_prefix=8)
+    assert a_stats.num_grouped_rows == 0 and s_stats.num_grouped_rows > 0
+    for g_shared, g_alone in zip(shared, alone):
+        for (ids, lps, mask), (ids0, lps0, mask0) in zip(g_shared, g_alone):
+            assert ids == ids0 and mask == mask0
+            assert lps == pytest.approx(lps0, abs=1e-5)

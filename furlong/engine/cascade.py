@@ -20,8 +20,8 @@ full pages of a short prompt are mostly served from L2 anyway, and the cascade s
 pass and the group programs. Hence `min_prefix` (EngineConfig.cascade_min_prefix, 256 tokens): the
 seed workload's ~96-token prompts are not grouped; with 8x longer prompts its rollout took 11% less.
 
-Who is grouped (`plan_groups`, plain Python): running rows of one request that were forked from its
-prefill and never preempted (a preempted sample is re-prefilled whole into its own pages, so its
+Who is grouped (`plan_groups`, plain Python): running rows forked from one prefill (Sequence.fork_group:
+a request's n samples, or the requests of a shared prompt, scheduler.py) and never preempted (a preempted sample is re-prefilled whole into its own pages, so its
 prompt K/V are computed again and may differ in the last bits), at most `members` rows per group (a
 larger set is cut into several groups); a group needs two rows, a prompt of at least `min_prefix`
 tokens, and a free group slot (the kernel's grid holds B // group_splits groups). On the CPU the
@@ -67,13 +67,15 @@ def plan_groups(seqs: list[Sequence], members: int, min_prefix: int = 1, max_gro
     """The groups of the decode rows `seqs`: groups of 2..members rows whose shared prompt has at least
     `min_prefix` tokens, at most `max_groups` of them (the largest first); rows left out read their whole
     context themselves."""
-    by_request: dict[int, list[int]] = {}
+    by_fork: dict[tuple[str, int], list[int]] = {}
     for row, s in enumerate(seqs):
         if s.num_preemptions == 0 and s.num_prompt_tokens >= min_prefix:
-            by_request.setdefault(id(s.request), []).append(row)
+            # a sequence the scheduler has not admitted (fork_group -1) groups with its request's samples
+            key = ("prefill", s.fork_group) if s.fork_group >= 0 else ("request", id(s.request))
+            by_fork.setdefault(key, []).append(row)
     groups: list[list[int]] = []
     if members >= 2:
-        for rows in by_request.values():
+        for rows in by_fork.values():
             groups += [rows[i:i + members] for i in range(0, len(rows), members) if len(rows[i:i + members]) > 1]
     if max_groups is not None and len(groups) > max_groups:
         groups = sorted(groups, key=len, reverse=True)[:max_groups]

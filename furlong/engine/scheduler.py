@@ -28,7 +28,8 @@ and prefills the rest; parked pages are freed before anything is preempted.
 Shared prompts (`share_prompts`): new requests with the same prompt admitted in one step (the n
 conversations of a custom-generate group each submit the group's prompt as their first turn) are
 prefilled as ONE item whose sequences fork its pages, as a request's n samples do; the joiners cost
-no prefill budget and only their fork pages. Each sequence keeps its own request (id, sampling,
+no prefill budget and only their fork pages, and decode reads their shared prompt once per step as a
+cascade group (Sequence.fork_group), as it does for a request's n samples. Each sequence keeps its own request (id, sampling,
 seed, retain_kv), so their tokens are those of separate prefills (tests/test_shared_prefill.py).
 """
 from __future__ import annotations
@@ -173,6 +174,8 @@ class Scheduler:
                 s.serial = next(self._serials)
         for item in out:          # after every prompt's own pages, as when the fork followed the prefill
             seqs = item.sequences
+            for s in seqs:        # joiners of a shared prompt read the host's pages: one cascade group
+                s.fork_group = seqs[0].serial
             if len(seqs) > 1:
                 tables, item.page_copies = self.blocks.fork(seqs[0].block_table, len(item.token_ids), len(seqs))
                 for s, t in zip(seqs, tables):

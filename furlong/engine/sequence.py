@@ -85,6 +85,8 @@ class Sequence:
                                              # keys its staged buffers on it (object ids are reused)
     num_cached: int = 0                      # leading tokens whose KV its block table already holds (a
                                              # continued conversation): the prefill starts here
+    fork_group: int = -1                     # serial of the prefill whose prompt pages it forked (one per
+                                             # request, or per shared prompt: scheduler.py); cascade groups on it
 
     @property
     def num_tokens(self) -> int:
