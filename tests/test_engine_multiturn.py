@@ -124,6 +124,26 @@ def test_shared_page_is_not_written_under_its_sharer():
     assert blocks.num_used == 2                  # page 0 kept by the continuation, page 2 by its other sharer
 
 
+def test_continuations_keep_their_cascade_group_only_while_they_hold_its_pages():
+    """A later turn inherits its first turn's fork group and the part of the shared prompt it still holds;
+    one whose parked pages are gone, or that is preempted, holds none (its KV is recomputed)."""
+    blocks = BlockManager(16, 4)
+    kv = RetainedKV(blocks)
+    table: list[int] = []
+    blocks.grow(table, 12)
+    old = Sequence(request=Request(0, list(range(10)), greedy(1), retain_kv=True), index=0,
+                   token_ids=list(range(12)), num_prompt_tokens=10, seed32=0, block_table=table, fork_group=7,
+                   shared_prefix=10)
+    kv.park(old)
+    seq = kv.continuation(Request(1, list(range(12)) + [50], greedy(1), continues=0))
+    assert (seq.fork_group, seq.shared_prefix, seq.num_cached) == (7, 10, 11)
+    kv.park(seq)
+    short = kv.continuation(Request(2, [0, 1, 2, 9], greedy(1), continues=1))   # diverges inside the prompt
+    assert (short.fork_group, short.shared_prefix) == (7, 3)
+    gone = kv.continuation(Request(3, list(range(12)), greedy(1), continues=99))   # nothing parked under 99
+    assert gone.shared_prefix == 0 and gone.num_cached == 0
+
+
 def test_prefix_attention_reference_matches_full_causal():
     """Queries at the end of a longer key row == the same rows of full causal attention."""
     torch.manual_seed(0)

@@ -102,3 +102,33 @@ def test_shared_prompts_decode_as_one_cascade_group(ckpt, temperature):
         for (ids, lps, mask), (ids0, lps0, mask0) in zip(g_shared, g_alone):
             assert ids == ids0 and mask == mask0
             assert lps == pytest.approx(lps0, abs=1e-5)
+
+
+async def short_then_long(args, sample, sampling_params):
+    """A one-token first turn (sampled by its prefill: no decode step), tool tokens, a 6-token second turn:
+    every decode row belongs to a second turn."""
+    async with args.engine.conversation(sampling_params.seed) as conv:
+        first = await conv.generate(sample.tokens, dataclasses.replace(sampling_params, max_new_tokens=1,
+                                                                       ignore_eos=True))
+        sample.add_model_tokens(first.token_ids, first.log_probs, first.text)
+        sample.add_tool_tokens([3, 4, 5], "(tool)")
+        second = await conv.generate(sample.tokens, dataclasses.replace(sampling_params, ignore_eos=True))
+        sample.add_model_tokens(second.token_ids, second.log_probs, second.text)
+    sample.status = Sample.Status.COMPLETED
+    return sample
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_later_turns_keep_reading_the_shared_prompt_as_one_group(ckpt, temperature):
+    """A conversation's later turns keep its first turn's cascade group (retained.py): their decode rows
+    are grouped, and their tokens are those of the engine without cascade."""
+    sampling = SamplingParams(temperature=temperature, max_new_tokens=6)
+    grouped, g_stats = run_groups(ckpt, short_then_long, sampling, share=True, cascade_min_prefix=8)
+    plain, p_stats = run_groups(ckpt, short_then_long, sampling, share=True, cascade=False)
+    assert p_stats.num_grouped_rows == 0
+    # prompts of 8, 13 and 21 tokens reach the min prefix: their 3 x N conversations' second turns
+    assert g_stats.num_grouped_rows >= 3 * N * 5 // 2
+    for g_a, g_b in zip(grouped, plain):
+        for (ids, lps, mask), (ids0, lps0, mask0) in zip(g_a, g_b):
+            assert ids == ids0 and mask == mask0
+            assert lps == pytest.approx(lps0, abs=1e-5)

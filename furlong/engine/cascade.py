@@ -21,7 +21,9 @@ pass and the group programs. Hence `min_prefix` (EngineConfig.cascade_min_prefix
 seed workload's ~96-token prompts are not grouped; with 8x longer prompts its rollout took 11% less.
 
 Who is grouped (`plan_groups`, plain Python): running rows forked from one prefill (Sequence.fork_group:
-a request's n samples, or the requests of a shared prompt, scheduler.py) and never preempted (a preempted sample is re-prefilled whole into its own pages, so its
+a request's n samples, or the requests of a shared prompt, scheduler.py, and their conversations' later
+turns, which read the first turn's prompt through the same pages: Sequence.shared_prefix) and never
+preempted (a preempted sample is re-prefilled whole into its own pages, so its
 prompt K/V are computed again and may differ in the last bits), at most `members` rows per group (a
 larger set is cut into several groups); a group needs two rows, a prompt of at least `min_prefix`
 tokens, and a free group slot (the kernel's grid holds B // group_splits groups). On the CPU the
@@ -69,7 +71,7 @@ def plan_groups(seqs: list[Sequence], members: int, min_prefix: int = 1, max_gro
     context themselves."""
     by_fork: dict[tuple[str, int], list[int]] = {}
     for row, s in enumerate(seqs):
-        if s.num_preemptions == 0 and s.num_prompt_tokens >= min_prefix:
+        if s.num_preemptions == 0 and s.shared_prefix >= max(min_prefix, 1):
             # a sequence the scheduler has not admitted (fork_group -1) groups with its request's samples
             key = ("prefill", s.fork_group) if s.fork_group >= 0 else ("request", id(s.request))
             by_fork.setdefault(key, []).append(row)
@@ -82,7 +84,7 @@ def plan_groups(seqs: list[Sequence], members: int, min_prefix: int = 1, max_gro
     prefix_lens = [0] * len(seqs)
     prefixes = []
     for part in groups:
-        p = seqs[part[0]].num_prompt_tokens
+        p = min(seqs[r].shared_prefix for r in part)   # a later turn may hold less of it (retained.py)
         for r in part:
             prefix_lens[r] = p
         prefixes.append(p)

@@ -17,6 +17,10 @@ Under memory pressure parked pages go first, oldest first (`evict_oldest`), befo
 sequence is preempted; a continuation whose parked sequence was evicted (or a new session, after
 `Engine.release`) prefills its whole prompt, as a preempted sequence is recomputed. Parked pages
 are freed when the conversation ends (`drop`).
+
+A continuation keeps its first turn's cascade group (Sequence.fork_group) and the part of that turn's
+shared prompt it still holds (`shared_prefix`): the n conversations of a group keep reading their common
+first prompt once per decode step in every later turn (cascade.py).
 """
 from __future__ import annotations
 
@@ -51,12 +55,15 @@ class RetainedKV:
         """The sequence of a `continues` request: the parked pages of the shared prefix, the rest freed
         (no parked sequence under that id: an empty table, the whole prompt is prefilled)."""
         seq = new_sequences(request)[0]
+        seq.shared_prefix = 0   # nothing kept: its whole prompt is prefilled into its own pages
         old = self.parked.pop(request.continues, None)
         if old is not None:
             keep = self.reusable(old, request.prompt_ids)
             num_pages = pages_for(keep, self.blocks.block_size)
             self.blocks.release(old.block_table[num_pages:])
             seq.block_table, seq.num_cached = old.block_table[:num_pages], keep
+            # the first turn's shared prompt pages come along: decode still reads them once per group
+            seq.fork_group, seq.shared_prefix = old.fork_group, min(old.shared_prefix, keep)
             old.block_table = []
         return seq
 

@@ -172,10 +172,12 @@ class Scheduler:
                                        start=item.num_cached))
             for s in seqs:
                 s.serial = next(self._serials)
+            if isinstance(item, Request):   # a prompt's forks, a shared prompt's joiners with them: one cascade
+                origin = (hosts[key].sequences[0] if key is not None else seqs[0]).serial   # group (cascade.py)
+                for s in seqs:
+                    s.fork_group = origin
         for item in out:          # after every prompt's own pages, as when the fork followed the prefill
             seqs = item.sequences
-            for s in seqs:        # joiners of a shared prompt read the host's pages: one cascade group
-                s.fork_group = seqs[0].serial
             if len(seqs) > 1:
                 tables, item.page_copies = self.blocks.fork(seqs[0].block_table, len(item.token_ids), len(seqs))
                 for s, t in zip(seqs, tables):
@@ -221,7 +223,7 @@ class Scheduler:
                 break
             if isinstance(item, Sequence) and item.block_table:
                 self.blocks.release(item.block_table)
-                item.num_cached = 0
+                item.num_cached, item.shared_prefix = 0, 0
 
     def start(self, seqs: list[Sequence]) -> None:
         """Prefilled sequences join the running set."""
@@ -232,7 +234,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.release(seq.block_table)
-        seq.num_cached = 0
+        seq.num_cached, seq.shared_prefix = 0, 0   # re-prefilled into its own pages: no longer its group's KV
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.stats.num_preemptions += 1

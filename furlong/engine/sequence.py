@@ -87,6 +87,8 @@ class Sequence:
                                              # continued conversation): the prefill starts here
     fork_group: int = -1                     # serial of the prefill whose prompt pages it forked (one per
                                              # request, or per shared prompt: scheduler.py); cascade groups on it
+    shared_prefix: int = 0                   # leading tokens whose KV is that prefill's, same in every fork
+                                             # (later turns keep it, retained.py); 0 once its pages are released
 
     @property
     def num_tokens(self) -> int:
@@ -118,5 +120,6 @@ def sample_seed32(request_seed: int, index: int) -> int:
 def new_sequences(request: Request) -> list[Sequence]:
     return [Sequence(request=request, index=j, token_ids=list(request.prompt_ids) + list(request.resume_ids),
                      num_prompt_tokens=len(request.prompt_ids), log_probs=list(request.resume_log_probs),
-                     seed32=sample_seed32(request.seed, request.first_sample + j))
+                     seed32=sample_seed32(request.seed, request.first_sample + j),
+                     shared_prefix=len(request.prompt_ids))
             for j in range(request.n)]
