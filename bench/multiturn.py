@@ -15,6 +15,8 @@ multi_turn / single_engine <= 1.2.
 
     python bench/multiturn.py [--workload bench/seed_workload.json] [--output multiturn.json]
     python bench/multiturn.py --tiny          # CPU: a tiny model and 4 x 2 samples (tests/test_bench_multiturn.py)
+    python bench/multiturn.py --count-only    # CPU: the workload's shape on the tiny model: the counts that
+                                              # explain the ratio (decode steps, rows, context, prefills)
 """
 from __future__ import annotations
 
@@ -113,6 +115,9 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", default=str(ROOT / "bench" / "seed_workload.json"))
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, 4 prompts x 2 samples")
+    p.add_argument("--count-only", action="store_true",
+                   help="CPU: the workload's prompts and lengths on the tiny model, for the step, row, context and "
+                        "prefill counts (device-independent; the seconds mean nothing)")
     p.add_argument("--tool-len", type=int, default=64, help="tokens of each tool output")
     p.add_argument("--output", default=None)
     a = p.parse_args(argv)
@@ -125,7 +130,10 @@ def main(argv: list[str] | None = None) -> dict:
         w = load_workload(a.workload)
         model_cfg, prompt_lens, n, lens, tool_len = w.model, w.prompt_lens, w.n_samples_per_prompt, w.response_lens, \
             a.tool_len
-    device = torch.device("cuda" if torch.cuda.is_available() and not a.tiny else "cpu")
+        if a.count_only:
+            model_cfg = TINY_MODEL
+    on_cpu = a.tiny or a.count_only
+    device = torch.device("cuda" if torch.cuda.is_available() and not on_cpu else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     args = ModelArgs.from_hf_config(model_cfg, source="workload model")
     torch.manual_seed(0)
@@ -135,7 +143,8 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [[rng.randrange(args.vocab_size) for _ in range(k)] for k in prompt_lens]
     max_len = max(prompt_lens) + max(lens) + (NUM_TURNS - 1) * tool_len
     cfg = EngineConfig(max_model_len=max_len, max_num_seqs=max(len(lens), 2),
-                       **({"cpu_kv_tokens": 1 << 14} if device.type == "cpu" else {}))
+                       # on the CPU, KV for every conversation at its longest: no preemption, as on the GPU
+                       **({"cpu_kv_tokens": max(1 << 14, len(lens) * (max_len + 64))} if device.type == "cpu" else {}))
     engine = Engine(model, NullTokenizer(), eos_token_ids=[], config=cfg)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "num_samples": len(lens), "num_generated_tokens": sum(lens), "tool_len": tool_len}
@@ -150,9 +159,17 @@ def main(argv: list[str] | None = None) -> dict:
         result[f"{name}_prefill_tokens"] = stats.num_prefill_tokens
         result[f"{name}_cached_tokens"] = stats.num_cached_tokens
         result[f"{name}_generated_tokens"] = stats.num_generated_tokens
+        # what the time is made of, device-independent: decode steps and rows, the context they attend to
+        # (a multi-turn row's context holds its tool outputs too), and the prefill steps between turns
+        result[f"{name}_decode_steps"] = stats.num_decode_steps
+        result[f"{name}_decode_rows"] = stats.num_decode_rows
+        result[f"{name}_context_tokens"] = stats.num_context_tokens
+        result[f"{name}_prefill_steps"] = stats.num_prefill_steps
         engine.release()
     result["ratio_vs_single_engine"] = result["multi_turn_seconds"] / result["single_engine_seconds"]
     result["ratio_vs_single_front"] = result["multi_turn_seconds"] / result["single_front_seconds"]
+    result["context_ratio_vs_single_engine"] = (result["multi_turn_context_tokens"]
+                                                / max(result["single_engine_context_tokens"], 1))
     text = json.dumps(result, indent=1)
     print(text)
     if a.output:

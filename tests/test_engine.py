@@ -275,3 +275,20 @@ def test_postprocess_counts_kept_tokens_and_reset_stats_starts_anew(ckpt, prompt
     assert eng.stats.num_generated_tokens == 0 and eng.stats.num_windows == 0
     again = eng.generate([Request(2, prompts[1], greedy(5))])
     assert eng.stats.num_generated_tokens == 5 == len(again[0][0].token_ids)
+
+
+@pytest.mark.parametrize("window", [1, 4])
+def test_stats_count_the_context_each_decode_row_attends_to(ckpt, window):
+    """EngineStats.num_context_tokens: a row with T tokens attends to T at its next decode step; its first
+    token comes from the prefill, and a window runs whole for every row in it (a row that ends inside it
+    still computes it); the window is cut to the longest row's remaining tokens."""
+    eng = engine(ckpt, decode_window=window)
+    p, r0, r1 = 5, 10, 7
+    eng.generate([Request(0, list(range(3, 3 + p)), greedy(r0)), Request(1, list(range(3, 3 + 2 * p)), greedy(r1))])
+    st = eng.reset_stats()
+    steps0 = r0 - 1                                   # the longest row sets the windows
+    steps1 = -(-(r1 - 1) // window) * window          # the shorter one: its windows, whole (8 at window 4)
+    ctx = lambda prompt, n: sum(prompt + 1 + j for j in range(n))   # noqa: E731
+    assert st.num_decode_steps == steps0 and st.num_decode_rows == steps0 + steps1
+    assert st.num_context_tokens == ctx(p, steps0) + ctx(2 * p, steps1)
+    assert st.mean_context == pytest.approx(st.num_context_tokens / (steps0 + steps1))

@@ -247,6 +247,10 @@ class Scheduler:
         if plan.prefill:
             self.start(seqs)
         done, kept = [], 0
+        w = plan.window
+        # decode: each row attends to its T tokens (T - 1 cached and its input), T + 1, .. over the window,
+        # whether or not it stops inside it (the window runs whole on the device)
+        context = sum(w * s.num_tokens + w * (w - 1) // 2 for s in plan.decode)
         for seq, toks, lps in zip(seqs, out.tokens, out.log_probs):
             before = seq.num_generated
             reason = self.stop_rules.append(seq, toks, lps)
@@ -266,6 +270,7 @@ class Scheduler:
             st.num_decode_steps += plan.window
             st.num_decode_rows += plan.window * len(plan.decode)
             st.num_grouped_rows += plan.window * out.num_grouped_rows
+            st.num_context_tokens += context
         return done
 
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -13,6 +13,8 @@ class EngineStats:
     num_decode_steps: int = 0
     num_decode_rows: int = 0          # sum over decode steps of running rows
     num_grouped_rows: int = 0         # of those, rows that read their prompt's KV once per group (cascade)
+    num_context_tokens: int = 0       # sum over decode steps and rows of the tokens the row attends to (its
+                                      # whole context, cascade or not): the KV a decode reads, in tokens
     num_generated_tokens: int = 0     # kept tokens (after stops), all sequences
     num_preemptions: int = 0
     kv_used_sum: float = 0.0          # sum over decode windows of used/total pages
@@ -22,6 +24,11 @@ class EngineStats:
     @property
     def mean_batch(self) -> float:
         return self.num_decode_rows / max(self.num_decode_steps, 1)
+
+    @property
+    def mean_context(self) -> float:
+        """Tokens a decode row attends to, on average: with mean_batch, what sets a step's attention cost."""
+        return self.num_context_tokens / max(self.num_decode_rows, 1)
 
     @property
     def grouped_fraction(self) -> float:

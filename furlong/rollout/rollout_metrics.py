@@ -68,6 +68,7 @@ def engine_metrics(stats: Any) -> dict[str, float]:
     return {
         "perf/decode_steps_per_s": stats.num_decode_steps / max(stats.seconds, 1e-9),
         "perf/rollout_mean_running_batch": stats.mean_batch,
+        "perf/rollout_mean_context": stats.mean_context,   # tokens each decode row attends to
         "perf/rollout_kv_utilization": stats.kv_utilization,
         "perf/rollout_cascade_row_fraction": stats.grouped_fraction,
         "perf/rollout_num_preemptions": float(stats.num_preemptions),

@@ -149,14 +149,12 @@ def replay_batch(source: str, rollout_id: int) -> Any:
     """The saved rollout as the rollout stage's RolloutBatch (every rank reads the whole file, as every
     rank holds all groups after a live rollout); the engine's perf counters are left out."""
     import time
-    from types import SimpleNamespace
-
+    from furlong.engine.stats import EngineStats
     from furlong.rollout.rollout import RolloutBatch
     from furlong.rollout.rollout_metrics import summarize
     started = time.perf_counter()
     groups = load_rollout_groups(source, rollout_id)
-    idle = SimpleNamespace(num_decode_steps=0, seconds=0.0, mean_batch=0.0, kv_utilization=0.0,
-                           grouped_fraction=0.0, num_preemptions=0)
+    idle = EngineStats()   # no engine ran: every counter 0
     metrics = summarize(groups, {}, 0, len(groups), 0, time.perf_counter() - started, 0.0, idle)
     metrics.engine = {}
     return RolloutBatch(groups=groups, metrics=metrics)
