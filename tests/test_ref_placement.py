@@ -121,6 +121,12 @@ def test_auto_placement_rule():
     assert ref_on_cpu("cpu", 1, 1, torch.device("cpu"), False) and not ref_on_cpu("gpu", 8e9, 1, cuda, True, h200)
 
 
+def test_explicit_gpu_placement_keeps_the_reference_resident_beside_an_offloaded_actor(tiny_ckpt):
+    cfg = tiny_config(use_kl_loss=True, fsdp_cpu_offload=True, ref_placement="gpu")
+    actor = Actor(load_pretrained(str(tiny_ckpt)), actor_config(cfg), init_distributed("cpu"))
+    assert _offloaded(actor.model) and not _offloaded(actor.ref_model)
+
+
 def test_actor_config_maps_only_explicit_placements():
     assert actor_config(tiny_config(ref_placement="cpu")).ref_on_cpu
     assert not actor_config(tiny_config(ref_placement="auto")).ref_on_cpu   # run set-up resolves auto

@@ -68,8 +68,8 @@ def reference_shard(cfg: Actor.Config) -> ShardConfig:
     """The reference's placement: the actor's, or offloaded to the CPU (--ref-placement). Offloaded, its
     layers stay gathered from their first micro-batch to the end of the pass (no_grad_pass reshards
     them), so a pass copies each weight to the GPU once rather than once per micro-batch."""
-    if not cfg.ref_on_cpu:
-        return cfg.shard
+    if not cfg.ref_on_cpu:   # resident, even beside an offloaded actor (--ref-placement gpu)
+        return dataclasses.replace(cfg.shard, cpu_offload=False)
     return dataclasses.replace(cfg.shard, cpu_offload=True, reshard_after_forward=False,
                                gradient_checkpointing=False)
 
