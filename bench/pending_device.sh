@@ -9,7 +9,7 @@
 # call3  multi-turn vs single turn (issue 22's <= 1.2x), the GPU tool-use demo
 # call4  the long RL step with and without --partial-rollout, 2 steps each, on 16 prompts
 #        (bench/long_rlstep_workload.json: the full long step's 4 steps do not fit one call); Qwen3-1.7B
-# call5  Qwen3-4B LoRA
+# call5  Qwen3-4B LoRA; where the long workload's train step goes (issue 21: attention's FLOPs, by arithmetic)
 # Everything lands in $OUT (logs, JSON, plots); each piece is bounded by `timeout`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +37,9 @@ call4)
     echo "== long rlstep: exit $?"; grep -E "rlstep" "$OUT/long_rlstep.log" | tail -12
     bash bench/bigger_models.sh 1p7b ;;
 call5)
-    bash bench/bigger_models.sh 4b-lora ;;
+    bash bench/bigger_models.sh 4b-lora
+    timeout -k 10 200 python3 bench/profile_train.py --workload bench/long_workload.json --label long \
+        --out "$OUT" >"$OUT/profile_train_long.log" 2>&1
+    echo "== profile long train step: exit $?"; tail -20 "$OUT/profile_train_long.log" ;;
 *) echo "usage: bash bench/pending_device.sh call1|call2|call3|call4|call5"; exit 2 ;;
 esac

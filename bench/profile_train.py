@@ -5,7 +5,7 @@ train_step, then one profiled with torch.profiler (CUDA kernels only). Kinds are
 names; "idle" is the step's wall time minus the union of kernel intervals (host gaps: Python,
 launches, syncs). Also times the step unprofiled (the median of 3).
 
-    python3 bench/profile_train.py [--out DIR] [--label NAME] [--budget 32768] [--recompute]
+    python3 bench/profile_train.py [--out DIR] [--label NAME] [--budget 32768] [--workload JSON] [--recompute]
                                    [--reshard-after-forward] [--host] [--old LEVER,...]
 --host also records CPU ops (with input shapes and Python stacks) in the profiled step and writes
 tables to DIR/profile_train_NAME_ops.txt: ops by device time (which aten op launched the copies
@@ -165,6 +165,8 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     ap.add_argument("--label", default="baseline")
     ap.add_argument("--budget", type=int, default=32768)
+    ap.add_argument("--workload", default=str(Path(__file__).with_name("seed_workload.json")),
+                    help="bench workload whose step is profiled (e.g. bench/long_workload.json: 8k-token samples)")
     ap.add_argument("--recompute", action="store_true")
     ap.add_argument("--reshard-after-forward", action="store_true",
                     help="FSDP's default: re-gather each layer in backward and per micro-batch")
@@ -180,7 +182,7 @@ def main() -> None:
     unknown = sorted(set(olds) - set(OLD))
     if unknown:
         ap.error(f"--old: unknown lever(s) {', '.join(unknown)} (choose from {', '.join(OLD)})")
-    w = load_workload(Path(__file__).with_name("seed_workload.json"))
+    w = load_workload(a.workload)
     if a.host_only:
         w = dataclasses.replace(w, model={**w.model, **TINY_LAYERS})
     b = Bench(w)
