@@ -21,7 +21,7 @@ It prints `demo: held-out accuracy A% -> B% greedy, C% -> D% sampled (...)`, wri
 evals.json and draws the GRPO run (`furlong plot`) to grpo/metrics.png when matplotlib is installed.
 
 Presets (`--device`):
-- "cpu": the above; about 6 minutes on 2 cores (seed 0: greedy 21.0% -> 37.0%, sampled 8.8% ->
+- "cpu": the above; about 10 minutes on 2 cores (seed 0: greedy 21.5% -> 31.5%, sampled 8.8% ->
   23.1%; BENCHMARKS.md, "CPU demo"). Four optimizer steps per rollout: the sampled accuracy rose
   at every eval but the last; the greedy one made most of its gain in the first 4 rollouts.
 - "gpu" (`--device cuda`): a 14M-parameter model, numbers up to 50, 70% two-step problems, 300
