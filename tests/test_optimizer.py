@@ -171,3 +171,18 @@ def test_reset_optimizer_state_zeroes_adam():
     assert state["step"] == 1 and state["exp_avg"].abs().sum() > 0
     holder.reset_optimizer_state()
     assert state["step"] == 0 and state["exp_avg"].abs().sum() == 0 and state["exp_avg_sq"].abs().sum() == 0
+
+
+def test_fused_adamw_on_cuda_runs_including_offloaded_shards():
+    """A CUDA run's AdamW is fused, also over --fsdp-cpu-offload's CPU shards (their DTensor mesh is the
+    GPUs'); a CPU run keeps torch's default (its demos' documented trajectories)."""
+    from types import SimpleNamespace
+
+    from furlong.trainer.optimizer import _on_cuda_run
+    cpu_param = torch.nn.Parameter(torch.zeros(2))
+    assert not _on_cuda_run(cpu_param)
+    offloaded = SimpleNamespace(device=torch.device("cpu"), device_mesh=SimpleNamespace(device_type="cuda"))
+    cpu_mesh = SimpleNamespace(device=torch.device("cpu"), device_mesh=SimpleNamespace(device_type="cpu"))
+    assert _on_cuda_run(offloaded) and not _on_cuda_run(cpu_mesh)
+    opt = build_optimizer([cpu_param], OptimConfig(lr=1e-3))
+    assert not opt.defaults["fused"]

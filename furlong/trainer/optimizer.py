@@ -45,14 +45,23 @@ def _param_groups(params_or_model, weight_decay: float) -> list[dict]:
     return groups
 
 
+def _on_cuda_run(param: torch.Tensor) -> bool:
+    """Whether `param` belongs to a CUDA run: on the GPU, or an FSDP2 shard offloaded to the CPU
+    (--fsdp-cpu-offload: its DTensor's mesh is still the GPUs')."""
+    mesh = getattr(param, "device_mesh", None)
+    return param.device.type == "cuda" or (mesh is not None and mesh.device_type == "cuda")
+
+
 def _adamw(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
-    # The fused kernel on every device: one pass over each tensor instead of the default's several (it
-    # takes FSDP2's sharded DTensors). On the CPU, where --fsdp-cpu-offload's step runs, torch's
-    # default is the single-tensor loop, ~6x slower (67M params: 0.29 s vs 0.048 s on 2 cores), which
-    # at Qwen3-8B's 8.2B offloaded parameters is tens of seconds per step. fused and the loop differ
-    # by float rounding (~1e-8 after 5 steps of unit-scale weights).
+    # On a CUDA run the fused kernel: one pass over each tensor instead of foreach's several (it takes
+    # FSDP2's sharded DTensors), also for the shards --fsdp-cpu-offload keeps in CPU memory, where
+    # torch's default is the per-tensor loop, ~6x slower (67M params: 0.29 s vs 0.048 s on 2 cores),
+    # tens of seconds per step at Qwen3-8B. A CPU run keeps torch's default: fused differs from it by
+    # float rounding, which over a demo's hundreds of steps is another trajectory, and the CPU demos'
+    # documented results are the default's.
+    fused = _on_cuda_run(groups[0]["params"][0])
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                             fused=True)
+                             fused=True if fused else None)
 
 
 # --optimizer name -> constructor. "adam" is AdamW (decoupled decay), as in miles/Megatron.
