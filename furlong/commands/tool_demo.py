@@ -25,8 +25,8 @@ Deviation from the calculator recipe as a user runs it on Qwen3: the demo's Chat
 render `tools=` (the rows carry the spec, the tiny model never reads it): it learns its one tool
 from SFT, and a system prompt of the spec would only cost tokens.
 
-Presets (`--device`): "cpu" (under 10 minutes on 2 shared cores; seed 0: greedy 0.5% -> 93.0% with
-tool calls 0% -> 100%, sampled 9.5% -> 56.5% with tool calls 24.2% -> 99.4%; BENCHMARKS.md, "CPU
+Presets (`--device`): "cpu" (10-13 minutes on 2 shared cores; seed 0: greedy 0.5% -> 93.5% with
+tool calls 0% -> 100%, sampled 9.5% -> 56.0% with tool calls 24.2% -> 99.0%; BENCHMARKS.md, "CPU
 tool-use demo"; most of the tool-call rate comes in the first 5 rollouts, the rest is copying
 operands and results more accurately),
 "gpu" (`--device cuda`: the synthetic demo's 14M-parameter model on 4-digit operands, a quarter of
