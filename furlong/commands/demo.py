@@ -21,8 +21,8 @@ It prints `demo: held-out accuracy A% -> B% greedy, C% -> D% sampled (...)`, wri
 evals.json and draws the GRPO run (`furlong plot`) to grpo/metrics.png when matplotlib is installed.
 
 Presets (`--device`):
-- "cpu": the above; about 10 minutes on 2 cores (seed 0: greedy 21.5% -> 31.5%, sampled 8.8% ->
-  23.1%; BENCHMARKS.md, "CPU demo"). Four optimizer steps per rollout: the sampled accuracy rose
+- "cpu": the above; about 6 minutes on 2 cores (seed 0: greedy 20.0% -> 32.0%, sampled 7.2% ->
+  19.8%; BENCHMARKS.md, "CPU demo"). Four optimizer steps per rollout: the sampled accuracy rose
   at every eval but the last; the greedy one made most of its gain in the first 4 rollouts.
 - "gpu" (`--device cuda`): a 14M-parameter model, numbers up to 50, 70% two-step problems, 300
   GRPO rollouts of 64 prompts x 8 samples. Every SFT solution is boxed and worked, but for 65% of
