@@ -246,11 +246,8 @@ class Scheduler:
         seqs = [s for item in plan.prefill for s in item.sequences] if plan.prefill else plan.decode
         if plan.prefill:
             self.start(seqs)
+        self.stats.count_step(plan, out.num_grouped_rows)   # before the rows grow: their context as attended
         done, kept = [], 0
-        w = plan.window
-        # decode: each row attends to its T tokens (T - 1 cached and its input), T + 1, .. over the window,
-        # whether or not it stops inside it (the window runs whole on the device)
-        context = sum(w * s.num_tokens + w * (w - 1) // 2 for s in plan.decode)
         for seq, toks, lps in zip(seqs, out.tokens, out.log_probs):
             before = seq.num_generated
             reason = self.stop_rules.append(seq, toks, lps)
@@ -258,19 +255,7 @@ class Scheduler:
             if reason is not None:
                 self.finish(seq, reason)
                 done.append(seq)
-        st = self.stats
-        st.num_generated_tokens += kept
-        if plan.prefill:
-            st.num_prefill_steps += 1
-            st.num_prefill_tokens += sum(len(item.token_ids) for item in plan.prefill)
-            st.num_cached_tokens += sum(item.start for item in plan.prefill)
-        else:
-            st.kv_used_sum += plan.kv_used
-            st.num_windows += 1
-            st.num_decode_steps += plan.window
-            st.num_decode_rows += plan.window * len(plan.decode)
-            st.num_grouped_rows += plan.window * out.num_grouped_rows
-            st.num_context_tokens += context
+        self.stats.num_generated_tokens += kept
         return done
 
     def finish(self, seq: Sequence, reason: str) -> None:

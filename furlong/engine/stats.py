@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from furlong.engine.scheduler import Plan
 
 
 @dataclass
@@ -37,6 +41,23 @@ class EngineStats:
     @property
     def kv_utilization(self) -> float:
         return self.kv_used_sum / max(self.num_windows, 1)
+
+    def count_step(self, plan: Plan, num_grouped_rows: int) -> None:
+        """One engine step's counts (generated tokens are counted after the stop rules, by the scheduler)."""
+        if plan.prefill:
+            self.num_prefill_steps += 1
+            self.num_prefill_tokens += sum(len(item.token_ids) for item in plan.prefill)
+            self.num_cached_tokens += sum(item.start for item in plan.prefill)
+            return
+        w = plan.window
+        self.kv_used_sum += plan.kv_used
+        self.num_windows += 1
+        self.num_decode_steps += w
+        self.num_decode_rows += w * len(plan.decode)
+        self.num_grouped_rows += w * num_grouped_rows
+        # each row attends to its T tokens (T - 1 cached and its input), T + 1, .. over the window,
+        # whether or not it stops inside it (the window runs whole on the device)
+        self.num_context_tokens += sum(w * s.num_tokens + w * (w - 1) // 2 for s in plan.decode)
 
     def take(self) -> EngineStats:
         """The counters so far; starts them anew (the scheduler keeps counting into this object)."""
