@@ -28,6 +28,9 @@ def test_plan_groups_takes_unpreempted_forks_of_one_request_up_to_members():
     a = new_sequences(Request(0, [1, 2, 3], params, n=5))
     b = new_sequences(Request(1, [4, 5], params, n=3))
     c = new_sequences(Request(2, [6], params, n=1))
+    for group, forks in enumerate((a, b, c)):   # as the scheduler admits them: one fork group per prefill
+        for s in forks:
+            s.fork_group = group
     b[1].num_preemptions = 1                 # re-prefilled into its own pages: not grouped
     seqs = [a[0], b[0], a[1], c[0], b[1], a[2], a[3], b[2], a[4]]
     prefix_lens, groups, prefixes = plan_groups(seqs, members=3)

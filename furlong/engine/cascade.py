@@ -69,12 +69,10 @@ def plan_groups(seqs: list[Sequence], members: int, min_prefix: int = 1, max_gro
     """The groups of the decode rows `seqs`: groups of 2..members rows whose shared prompt has at least
     `min_prefix` tokens, at most `max_groups` of them (the largest first); rows left out read their whole
     context themselves."""
-    by_fork: dict[tuple[str, int], list[int]] = {}
-    for row, s in enumerate(seqs):
+    by_fork: dict[int, list[int]] = {}
+    for row, s in enumerate(seqs):   # decode rows: admitted, so fork_group is set (scheduler._admit)
         if s.num_preemptions == 0 and s.shared_prefix >= max(min_prefix, 1):
-            # a sequence the scheduler has not admitted (fork_group -1) groups with its request's samples
-            key = ("prefill", s.fork_group) if s.fork_group >= 0 else ("request", id(s.request))
-            by_fork.setdefault(key, []).append(row)
+            by_fork.setdefault(s.fork_group, []).append(row)
     groups: list[list[int]] = []
     if members >= 2:
         for rows in by_fork.values():

@@ -28,9 +28,8 @@ and prefills the rest; parked pages are freed before anything is preempted.
 Shared prompts (`share_prompts`): new requests with the same prompt admitted in one step (the n
 conversations of a custom-generate group each submit the group's prompt as their first turn) are
 prefilled as ONE item whose sequences fork its pages, as a request's n samples do; the joiners cost
-no prefill budget and only their fork pages, and decode reads their shared prompt once per step as a
-cascade group (Sequence.fork_group), as it does for a request's n samples. Each sequence keeps its own request (id, sampling,
-seed, retain_kv), so their tokens are those of separate prefills (tests/test_shared_prefill.py).
+no prefill budget, and decode reads their prompt as one cascade group (Sequence.fork_group). Each
+keeps its own request (id, sampling, seed, retain_kv): its tokens are a separate prefill's.
 """
 from __future__ import annotations
 

@@ -20,8 +20,8 @@ is the same model with its adapters switched off, no second copy.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import copy
+import dataclasses
 import time
 import warnings
 from dataclasses import dataclass
@@ -173,7 +173,8 @@ class Actor(Trainer):
     @torch.no_grad()
     def update_reference(self) -> None:
         """--ref-update-interval: the reference takes the actor's current weights. Both are sharded alike
-        (same model, same ShardConfig), so each rank copies its own shards: no gather."""
+        (same model, same mesh; only their placement may differ: reference_shard), so each rank copies its
+        own shards: no gather."""
         for ref, p in zip(self.ref_model.parameters(), self.model.parameters()):
             # local shards: an offloaded reference's sit in CPU memory, the actor's on the GPU
             ref.to_local().copy_(p.to_local())
