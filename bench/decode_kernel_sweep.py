@@ -9,7 +9,8 @@ count of ModelRunner.num_splits. Tried and dropped (slower, 2026-12-04): Q quant
 fp8 x fp8 Q.K^T dot (no faster, 5x the output error), and K/V tiles dequantised in registers
 before the dots (6x slower).
 
-    python3 bench/decode_kernel_sweep.py [--batch 256,64] [--context 640,4096] [--out DIR]
+    python3 bench/decode_kernel_sweep.py [--batch 256,64] [--context 640,4096] [--warps 2,4,8] [--stages 1,2,3,4]
+        [--quick] [--out DIR]
 """
 from __future__ import annotations
 
@@ -59,6 +60,10 @@ def build(batch: int, context: int, fp8: bool, gen: torch.Generator):
     return q, k, v, ks, vs, tables, lens, bytes_read
 
 
+def ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
 def time_graph(fn) -> float:
     """Median ms per call over 5 batches of 20 graph replays."""
     fn()
@@ -84,6 +89,8 @@ def main() -> None:
     ap.add_argument("--context", default="640,4096")
     ap.add_argument("--out", default=".")
     ap.add_argument("--quick", action="store_true", help="block_n 64 only")
+    ap.add_argument("--warps", default="2,4,8")
+    ap.add_argument("--stages", default="1,2,3,4")
     a = ap.parse_args()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -93,13 +100,14 @@ def main() -> None:
         for fp8 in (False, True):
             q, k, v, ks, vs, tables, lens, nbytes = build(batch, context, fp8, gen)
             ref = None
-            grid = ((64,) if a.quick else (32, 64), (2, 4, 8), (1, 2, 3, 4), sorted({base, base * 2, max(1, base // 2)}))
-            for block_n, warps, stages, splits in itertools.product(*grid):
+            grid = ((64,) if a.quick else (32, 64), ints(a.warps), ints(a.stages),
+                    sorted({base, base * 2, max(1, base // 2)}), (False, True))
+            for block_n, warps, stages, splits, early_v in itertools.product(*grid):
                 def fn():
                     return paged_decode_attention(q, k, v, tables, lens, splits, block_n=block_n,
                                                   key_scales=ks if fp8 else None,
                                                   value_scales=vs if fp8 else None,
-                                                  num_warps=warps, num_stages=stages, deq=qk8)
+                                                  num_warps=warps, num_stages=stages, early_v=early_v)
                 try:
                     out = fn()
                     ref = out if ref is None else ref
@@ -107,13 +115,14 @@ def main() -> None:
                     ms = time_graph(fn)
                 except Exception as e:   # a setting Triton cannot compile (shared memory): reported
                     results.append(dict(batch=batch, context=context, kv="fp8" if fp8 else "bf16",
-                                        block_n=block_n, warps=warps, stages=stages, splits=splits,
+                                        block_n=block_n, warps=warps, stages=stages, splits=splits, early_v=early_v,
                                         error=str(e).splitlines()[0][:200]))
                     continue
                 row = dict(batch=batch, context=context, kv="fp8" if fp8 else "bf16", block_n=block_n,
-                           warps=warps, stages=stages, splits=splits, ms=round(ms, 4),
+                           warps=warps, stages=stages, splits=splits, early_v=early_v, ms=round(ms, 4),
                            tb_s=round(nbytes / ms / 1e9, 3), max_diff_vs_first=err,
-                           engine_setting=(block_n, warps, stages, splits) == (64, 2 if fp8 else 4, 2, base))
+                           engine_setting=(block_n, warps, stages, splits, early_v) ==
+                           (64, 2 if fp8 else 4, 2, base, False))
                 results.append(row)
                 print(json.dumps(row), flush=True)
             del q, k, v, ks, vs
@@ -130,7 +139,7 @@ def main() -> None:
                    (x["batch"], x["context"], x["kv"]) == (r["batch"], r["context"], r["kv"]))
         print(f"  B={r['batch']} ctx={r['context']} {r['kv']}: engine {eng['ms']:.3f} ms ({eng['tb_s']} TB/s); "
               f"best {r['ms']:.3f} ms ({r['tb_s']} TB/s) at block_n {r['block_n']} warps {r['warps']} "
-              f"stages {r['stages']} splits {r['splits']}")
+              f"stages {r['stages']} splits {r['splits']} early_v {r['early_v']}")
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "decode_kernel_sweep.json").write_text(json.dumps(results, indent=1))
 

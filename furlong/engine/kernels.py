@@ -40,7 +40,7 @@ def _decode_attn_kernel(Q, K, V, KS, VS, BT, CL, PL, GR, GP, O, LSE, OUT,
                         s_outh, scale, num_splits, group_splits,
                         GROUP: tl.constexpr, QP: tl.constexpr, MEMBERS: tl.constexpr, D: tl.constexpr,
                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, CASCADE: tl.constexpr,
-                        FP8: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr):
+                        FP8: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr, EARLY_V: tl.constexpr):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -89,6 +89,8 @@ def _decode_attn_kernel(Q, K, V, KS, VS, BT, CL, PL, GR, GP, O, LSE, OUT,
         off = page * s_kp + kvh * s_kh + (start % PAGE + n)[:, None] * s_ks + d[None, :]
         valid = ((start + n) < hi) & ((start + n) >= lo)
         k = tl.load(K + off, mask=valid[:, None], other=0.0)
+        if EARLY_V:   # V's load issued beside K's (a launch option the kernel sweep times)
+            v = tl.load(V + off, mask=valid[:, None], other=0.0)
         if FP8:
             # e4m3 -> fp16 is one conversion instruction per pair on sm90 (to bf16 it goes through
             # fp32), so an fp8 tile's dots run in fp16: q, p and the scaled values are far inside its range
@@ -102,7 +104,8 @@ def _decode_attn_kernel(Q, K, V, KS, VS, BT, CL, PL, GR, GP, O, LSE, OUT,
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         l = l * alpha + tl.sum(p, 1)
-        v = tl.load(V + off, mask=valid[:, None], other=0.0)
+        if not EARLY_V:
+            v = tl.load(V + off, mask=valid[:, None], other=0.0)
         if FP8:
             # value scales relative to the tile's largest, so p * scale stays in fp16's normal range
             # (a small-magnitude head's scales alone could flush to zero); the largest multiplies after
@@ -151,7 +154,7 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
                            context_lens: torch.Tensor, num_splits: int, block_n: int = 64,
                            prefix: PrefixGroups | None = None, group_splits: int = 1,
                            key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None,
-                           num_warps: int | None = None, num_stages: int = 2) -> torch.Tensor:
+                           num_warps: int | None = None, num_stages: int = 2, early_v: bool = False) -> torch.Tensor:
     """q [B, Hq, D]; keys/values [num_pages, Hkv, page, D]; block_tables [B, max_pages] int32;
     context_lens [B] int32 -> [B, Hq, D] in q's dtype (zeros where context_lens is 0).
     fp8 cache: keys/values float8_e4m3fn, key/value_scales [num_pages, Hkv, page] float32 (same strides).
@@ -200,7 +203,8 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
         group_splits, GROUP=group, QP=qp, MEMBERS=members, D=dim, PAGE=page, BLOCK_N=block_n,
         DIRECT=direct, CASCADE=cascade, FP8=fp8,
         DOT=tl.float32 if q.dtype == torch.float32 else tl.float16,   # fp8 tiles' dot dtype (docstring)
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", EARLY_V=early_v, num_warps=num_warps,
+        num_stages=num_stages)
     if not direct:
         _combine_kernel[(num_rows, num_heads)](
             part, lse, out, pl, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
