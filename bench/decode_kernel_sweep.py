@@ -4,8 +4,8 @@ One layer of a Qwen3-0.6B-shaped cache (16 query heads, 8 KV heads, head_dim 128
 the engine's page layout from kv_cache.KVLayout with 4 layers interleaved, pages in random order),
 B rows at one context length; each setting is timed over CUDA-graph replays (median of 5 x 20)
 and reported with the bandwidth it reaches over the K/V (+ scale) bytes it must read. The
-engine's own setting is block_n 64, num_warps 4 (bf16) or 2 (fp8), num_stages 2 and the split
-count of ModelRunner.num_splits. Tried and dropped (slower, 2026-12-04): Q quantised to e4m3 for an
+engine's own setting is block_n 64, num_warps 4 (bf16) or 2 (fp8), V's load beside K's for fp8,
+num_stages 2 and the split count of ModelRunner.num_splits. Tried and dropped (slower, 2026-12-04): Q quantised to e4m3 for an
 fp8 x fp8 Q.K^T dot (no faster, 5x the output error), and K/V tiles dequantised in registers
 before the dots (6x slower).
 
@@ -122,7 +122,7 @@ def main() -> None:
                            warps=warps, stages=stages, splits=splits, early_v=early_v, ms=round(ms, 4),
                            tb_s=round(nbytes / ms / 1e9, 3), max_diff_vs_first=err,
                            engine_setting=(block_n, warps, stages, splits, early_v) ==
-                           (64, 2 if fp8 else 4, 2, base, False))
+                           (64, 2 if fp8 else 4, 2, base, fp8))
                 results.append(row)
                 print(json.dumps(row), flush=True)
             del q, k, v, ks, vs

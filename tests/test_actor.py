@@ -295,3 +295,17 @@ def test_probe_on_gpu_fits(tiny_ckpt):
     n = min(budget, 65536)
     m = actor.train_step(synthetic_samples([n // 2, n // 2]), run_config(cfg).with_max_tokens(budget).steps)
     assert m.num_micro_batches == 1 and math.isfinite(m.grad_norm)
+
+
+def test_probe_measurement_runs_the_actor_loss_on_cpu(tiny_ckpt, monkeypatch):
+    """The probe's micro-batch goes through the actor's own loss (its signature included) and backward;
+    CUDA's memory counters are stood in for, so a change to the loss's arguments fails here, not only
+    on a GPU (it once reached the device first: the probe called the loss without its slices)."""
+    from furlong.trainer import memory_probe
+    for name in ("synchronize", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 12345)
+    cfg = tiny_config(use_dynamic_batch_size=True, max_tokens_per_gpu="auto")
+    actor = Actor(load_pretrained(tiny_ckpt), actor_config(cfg), init_distributed("cpu"))
+    assert memory_probe._measure(actor, 64) == 12345
+    assert all(p.grad is None for p in actor.model.parameters())   # the probe leaves no gradients behind

@@ -17,7 +17,11 @@ paged_decode_attention  one query token per row over its paged KV (flash-decodin
     6.4 ms for bf16 K/V at B=256 with that detour), and their per-token scales
     applied outside them: a score column is multiplied by its key's scale, a
     probability column by its value's scale relative to the tile's largest
-    before P.V, the largest after.
+    before P.V, the largest after. What bounds it is instructions, not bytes: Triton 3.6 reads an
+    8-bit dot operand out of shared memory with plain loads and byte shuffles (no ldmatrix) before
+    the converts, ~10x the shared-memory instructions of a bf16 tile (its sm_90 PTX, compiled
+    offline); at B=256 x 4096 tokens fp8 takes 0.60x bf16's time on an H100, 0.91x on an H200
+    (more bandwidth per instruction; measured before V's early load).
 store_kv  each new token's k and v into its (page, offset) slot, one program per
     (token, kv head): one launch per layer instead of two generic index_put kernels;
     for an fp8 cache it quantises the row with its absmax scale (kv_fp8.py).
@@ -89,7 +93,7 @@ def _decode_attn_kernel(Q, K, V, KS, VS, BT, CL, PL, GR, GP, O, LSE, OUT,
         off = page * s_kp + kvh * s_kh + (start % PAGE + n)[:, None] * s_ks + d[None, :]
         valid = ((start + n) < hi) & ((start + n) >= lo)
         k = tl.load(K + off, mask=valid[:, None], other=0.0)
-        if EARLY_V:   # V's load issued beside K's (a launch option the kernel sweep times)
+        if EARLY_V:   # V's load issued beside K's (the launcher says when)
             v = tl.load(V + off, mask=valid[:, None], other=0.0)
         if FP8:
             # e4m3 -> fp16 is one conversion instruction per pair on sm90 (to bf16 it goes through
@@ -154,7 +158,8 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
                            context_lens: torch.Tensor, num_splits: int, block_n: int = 64,
                            prefix: PrefixGroups | None = None, group_splits: int = 1,
                            key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None,
-                           num_warps: int | None = None, num_stages: int = 2, early_v: bool = False) -> torch.Tensor:
+                           num_warps: int | None = None, num_stages: int = 2,
+                           early_v: bool | None = None) -> torch.Tensor:
     """q [B, Hq, D]; keys/values [num_pages, Hkv, page, D]; block_tables [B, max_pages] int32;
     context_lens [B] int32 -> [B, Hq, D] in q's dtype (zeros where context_lens is 0).
     fp8 cache: keys/values float8_e4m3fn, key/value_scales [num_pages, Hkv, page] float32 (same strides).
@@ -173,6 +178,9 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     # 2 warps run it 1.3-1.5x faster than 4 (B=256 at 4096 tokens: 0.85 against 1.26 ms per layer;
     # bf16 0.94 ms, where 2 and 4 warps tie); bf16 keeps 4
     num_warps = num_warps or (2 if fp8 else 4)
+    # V's load issued beside K's: fp8 0.848 against 0.902 ms at B=256 x 4096, 0.144 against 0.154 at x 640
+    # (an H100, 2026-12-05); bf16 ties either way and keeps V's load after the softmax
+    early_v = fp8 if early_v is None else early_v
     if fp8 and (key_scales.stride() != value_scales.stride() or key_scales.stride(-1) != 1):
         raise ValueError("paged_decode_attention: key/value scales must be laid out alike, tokens contiguous")
     ks, vs = (key_scales, value_scales) if fp8 else (context_lens, context_lens)   # unused without fp8

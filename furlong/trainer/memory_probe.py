@@ -68,23 +68,24 @@ def choose_max_tokens(m: ProbeMeasurement, total_bytes: int, reserved_bytes: int
 
 
 def _probe_batch(num_tokens: int, vocab_size: int, device: torch.device):
-    """One packed sample of `num_tokens` tokens, every position trained with unit weight."""
+    """One packed sample of `num_tokens` tokens, every position trained with unit weight; -> (micro-batch,
+    its response slices: the one sample's num_tokens - 1 response log-probs)."""
     g = torch.Generator().manual_seed(0)
     r = num_tokens - 1
     sample = TrainSample(token_ids=torch.randint(0, vocab_size, (num_tokens,), generator=g), num_prompt_tokens=1,
                          advantages=torch.ones(r), rollout_log_probs=torch.zeros(r))
-    return move_micro_batch(pack_micro_batch([sample], [torch.full((r,), 1.0 / r)], [0]), device)
+    return move_micro_batch(pack_micro_batch([sample], [torch.full((r,), 1.0 / r)], [0]), device), [(0, r)]
 
 
 def _measure(actor: Actor, num_tokens: int) -> int:
     """Peak bytes of one training micro-batch and one log-prob forward of `num_tokens` tokens."""
     vocab = actor.model.output_weight.shape[0]
-    mb = _probe_batch(num_tokens, vocab, actor.ctx.device)
+    mb, slices = _probe_batch(num_tokens, vocab, actor.ctx.device)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     positions = torch.arange(num_tokens - 1, device=actor.ctx.device)   # one prompt token: the rest is response
     logp, ent = actor._log_probs(actor.model, mb, positions, with_entropy=True)
-    loss, _ = actor.loss_fn(mb, logp, ent.detach(), actor.cfg.loss)
+    loss, _ = actor.loss_fn(mb, logp, ent.detach(), actor.cfg.loss, slices)
     loss.backward()
     with torch.no_grad():
         actor._log_probs(actor.model, mb, positions, with_entropy=False)
