@@ -93,6 +93,10 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctio
     trains = with_actor and not cfg.debug.debug_rollout_only
     device = ctx.device
     dtype = compute_dtype(device, cfg.parallel.dtype)
+    if trains and cfg.parallel.fsdp_cpu_offload:   # past the host's memory the OOM killer ends the run silently
+        from furlong.run.host_memory import check_offload_host_memory
+        check_offload_host_memory(cfg, inputs.model_args, ctx.world_size, inputs.reference is not None,
+                                  dtype.itemsize)
     engine_model = load_pretrained(ckpt, dtype=dtype, device=device)
     if resume is not None and not trains:   # furlong eval --load, or rollouts of the trained weights
         from furlong.checkpoint.store import load_model_weights

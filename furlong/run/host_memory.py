@@ -1,0 +1,82 @@
+"""Will the CPU side of --fsdp-cpu-offload fit in this machine's memory? Checked before the trainer is built.
+
+Full-parameter training with FSDP2's CPU offload keeps, per parameter and in CPU memory, the fp32 master
+weight (4 bytes), its fp32 gradient (4) and AdamW's two fp32 moments (8): 16 bytes, sharded over the ranks,
+so the ranks on one host hold 16 x params x local ranks / ranks between them (Qwen3-8B alone: 131 GB). A
+reference model placed on the CPU (--ref-placement) adds its bf16 shards (2 bytes). Under LoRA only the
+adapters are trained: their 16 bytes per parameter, and the frozen base's shards in the compute dtype.
+
+Why a check: past what the host has, the kernel's OOM killer ends the process with SIGKILL while the
+optimizer state fills (seen on a 128 GiB device machine with the Qwen3-8B shape, 2026-12-05: exit 137,
+no message, nothing saved). A run that would need more than MemAvailable stops before anything is built,
+with one line naming the flag and the numbers. Pages the OS can reclaim (the page cache) count as available,
+as the kernel's MemAvailable counts them; swap does not count.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from furlong.config import Config
+    from furlong.models.hf_config import ModelArgs
+
+GIB = 1024 ** 3
+TRAINED_BYTES = 16         # fp32 master weight + fp32 gradient + AdamW's exp_avg and exp_avg_sq, per parameter
+HEADROOM = 1.05            # pinned staging buffers, allocator slack, the Python process itself
+
+
+def offload_host_bytes(num_params: int, num_trainable: int, frozen_bytes_per_param: int, ref_bytes_per_param: int,
+                       world_size: int, local_world_size: int) -> int:
+    """CPU bytes the ranks on this host hold under --fsdp-cpu-offload: trained parameters at 16 bytes, the
+    frozen rest (LoRA's base) at frozen_bytes_per_param, a CPU reference at ref_bytes_per_param (0: none),
+    all sharded evenly over world_size ranks, local_world_size of which share this host."""
+    per_param = (num_trainable * TRAINED_BYTES + (num_params - num_trainable) * frozen_bytes_per_param
+                 + num_params * ref_bytes_per_param)
+    return int(per_param * HEADROOM * local_world_size / world_size)
+
+
+def mem_available_bytes(meminfo: str | Path = "/proc/meminfo") -> int | None:
+    """The kernel's MemAvailable, or None where there is no /proc/meminfo (not Linux) or it lacks the line."""
+    try:
+        text = Path(meminfo).read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024          # kB
+    return None
+
+
+def check_offload_fits(needed: int, available: int | None, num_params: int, lora: bool) -> None:
+    """Raise ValueError naming --fsdp-cpu-offload when `needed` bytes exceed `available` (None: unknown, pass)."""
+    if available is None or needed <= available:
+        return
+    hint = ("run on more hosts (torchrun: the state shards over every rank)" if lora else
+            "train LoRA adapters instead (--lora-rank 64: a few bytes per base parameter), or run on more hosts")
+    raise ValueError(f"--fsdp-cpu-offload: the offloaded training state of {num_params / 1e9:.2f}B parameters needs "
+                     f"~{needed / GIB:.0f} GiB of CPU memory on this host, {available / GIB:.0f} GiB is available; "
+                     f"{hint}")
+
+
+def check_offload_host_memory(cfg: Config, args: ModelArgs, world_size: int, with_reference: bool,
+                              compute_bytes: int, meminfo: str | Path = "/proc/meminfo") -> None:
+    """For a training run under --fsdp-cpu-offload: ValueError (one line) when this host's ranks would need
+    more CPU memory than it has available (module docstring); compute_bytes: the compute dtype's size (LoRA's
+frozen base). Nothing is allocated (meta-device shapes)."""
+    import math
+
+    from furlong.config_map import lora_config
+    from furlong.lora_flags import checkpoint_shapes
+    from furlong.models.hf_io import param_shapes
+    spec = lora_config(cfg)
+    num_params = sum(math.prod(s) for s in param_shapes(args).values())
+    num_trainable = num_params if spec is None else sum(math.prod(s) for s in checkpoint_shapes(args, spec).values())
+    if spec is not None:
+        num_params += num_trainable               # param_shapes counts the base only
+    # the offloaded actor's reference sits in CPU memory unless --ref-placement gpu keeps it resident
+    ref_bytes = compute_bytes if with_reference and cfg.ref.ref_placement != "gpu" else 0
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))   # torchrun's; one host when unset
+    needed = offload_host_bytes(num_params, num_trainable, compute_bytes, ref_bytes, world_size, local)
+    check_offload_fits(needed, mem_available_bytes(meminfo), num_params, spec is not None)

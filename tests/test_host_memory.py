@@ -1,0 +1,60 @@
+"""--fsdp-cpu-offload's host-memory check: the CPU bytes the offloaded state needs (16 per trained
+parameter, the frozen base and a CPU reference in the compute dtype, sharded over the ranks of one host),
+MemAvailable read from /proc/meminfo, and a run that would not fit stopping with one line before anything
+is built or written (the alternative, seen on the device: the OOM killer's SIGKILL, exit 137, no message)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from furlong.run import host_memory  # noqa: E402
+from furlong.run.host_memory import (GIB, HEADROOM, check_offload_fits, mem_available_bytes,  # noqa: E402
+                                     offload_host_bytes)
+
+
+def test_offload_host_bytes_arithmetic():
+    n = 8_190_735_360                                    # Qwen3-8B's parameters
+    full = offload_host_bytes(n, n, 2, 0, world_size=1, local_world_size=1)
+    assert full == int(16 * n * HEADROOM) and full / GIB > 125   # more than a 128 GiB host has available
+    # two hosts of 4 ranks: each host holds half
+    assert offload_host_bytes(n, n, 2, 0, 8, 4) == pytest.approx(full / 2, abs=1)
+    # LoRA: 50M adapters at 16 bytes, the base at 2, a CPU reference at 2 more
+    lora = offload_host_bytes(n + 50_000_000, 50_000_000, 2, 2, 1, 1)
+    assert lora == int((50_000_000 * 16 + n * 2 + (n + 50_000_000) * 2) * HEADROOM)
+
+
+def test_mem_available_is_read_from_meminfo(tmp_path):
+    f = tmp_path / "meminfo"
+    f.write_text("MemTotal:       131072000 kB\nMemFree:         1000 kB\nMemAvailable:   120000000 kB\n")
+    assert mem_available_bytes(f) == 120000000 * 1024
+    f.write_text("MemTotal: 1 kB\n")
+    assert mem_available_bytes(f) is None
+    assert mem_available_bytes(tmp_path / "absent") is None
+
+
+def test_fits_or_one_line_naming_the_flag():
+    check_offload_fits(10 * GIB, 11 * GIB, 10**9, lora=False)
+    check_offload_fits(10 * GIB, None, 10**9, lora=False)          # unknown: no check
+    with pytest.raises(ValueError, match=r"^--fsdp-cpu-offload: .* 8\.19B parameters needs ~131 GiB .* 120 GiB is "
+                                         r"available; train LoRA adapters instead \(--lora-rank"):
+        check_offload_fits(131 * GIB, 120 * GIB, 8_190_735_360, lora=False)
+
+
+def test_cli_stops_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    """A train run whose offloaded state would not fit: exit 2, one line, no output directory."""
+    from cli_helpers import run_cli
+    from test_train_flags_cli import argv, tiny_assets
+    assets = tiny_assets(tmp_path / "assets")
+    monkeypatch.setattr(host_memory, "mem_available_bytes", lambda meminfo="/proc/meminfo": 1000)
+    out = tmp_path / "run"
+    code, _, err = run_cli(argv(assets, out, "--fsdp-cpu-offload"), capsys)
+    assert code == 2 and err.strip().startswith("furlong: error: --fsdp-cpu-offload: the offloaded training state")
+    assert len(err.strip().splitlines()) == 1 and not out.exists()
+    # the same run with room trains (the check passes on this machine's real MemAvailable)
+    monkeypatch.undo()
+    code, _, err = run_cli(argv(assets, out, "--fsdp-cpu-offload"), capsys)
+    assert code == 0, err
