@@ -90,7 +90,7 @@ class Bench:
             cfg.lora.lora_rank, cfg.lora.lora_alpha = self.lora_rank, self.lora_alpha
             if self.cpu_offload:   # as run set-up: one line instead of the OOM killer's silent SIGKILL
                 from furlong.run.host_memory import check_offload_host_memory
-                check_offload_host_memory(cfg, self.args, self.ctx.world_size, False, 2)
+                check_offload_host_memory(cfg, self.args, self.ctx.world_size, False, self.dtype.itemsize)
             self._actor = Actor(self.random_model(), actor_config(cfg), self.ctx)
             if self.device.type == "cuda" and self.w.use_dynamic_batch_size:
                 # run set-up's memory plan: the workload's budget, recompute on or the budget lowered when

@@ -6,11 +6,11 @@ so the ranks on one host hold 16 x params x local ranks / ranks between them (Qw
 reference model placed on the CPU (--ref-placement) adds its bf16 shards (2 bytes). Under LoRA only the
 adapters are trained: their 16 bytes per parameter, and the frozen base's shards in the compute dtype.
 
-Why a check: past what the host has, the kernel's OOM killer ends the process with SIGKILL while the
-optimizer state fills (seen on a 128 GiB device machine with the Qwen3-8B shape, 2026-12-05: exit 137,
-no message, nothing saved). A run that would need more than MemAvailable stops before anything is built,
-with one line naming the flag and the numbers. Pages the OS can reclaim (the page cache) count as available,
-as the kernel's MemAvailable counts them; swap does not count.
+Why a check: past what the host has, the kernel ends the process with SIGKILL (the Qwen3-8B shape on a
+128 GiB device machine, 2026-12-05: exit 137 about two minutes in, before the first step, no message).
+A run that would need more than MemAvailable stops before anything is built, with one line naming the
+flag and the numbers. Pages the OS can reclaim (the page cache) count as available, as the kernel's
+MemAvailable counts them; swap does not count.
 """
 from __future__ import annotations
 
@@ -61,10 +61,10 @@ def check_offload_fits(needed: int, available: int | None, num_params: int, lora
 
 
 def check_offload_host_memory(cfg: Config, args: ModelArgs, world_size: int, with_reference: bool,
-                              compute_bytes: int, meminfo: str | Path = "/proc/meminfo") -> None:
+                              compute_bytes: int) -> None:
     """For a training run under --fsdp-cpu-offload: ValueError (one line) when this host's ranks would need
     more CPU memory than it has available (module docstring); compute_bytes: the compute dtype's size (LoRA's
-frozen base). Nothing is allocated (meta-device shapes)."""
+    frozen base, a CPU reference). Nothing is allocated (meta-device shapes)."""
     import math
 
     from furlong.config_map import lora_config
@@ -79,4 +79,4 @@ frozen base). Nothing is allocated (meta-device shapes)."""
     ref_bytes = compute_bytes if with_reference and cfg.ref.ref_placement != "gpu" else 0
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))   # torchrun's; one host when unset
     needed = offload_host_bytes(num_params, num_trainable, compute_bytes, ref_bytes, world_size, local)
-    check_offload_fits(needed, mem_available_bytes(meminfo), num_params, spec is not None)
+    check_offload_fits(needed, mem_available_bytes(), num_params, spec is not None)

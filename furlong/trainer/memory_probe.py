@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from furlong.trainer.batching import move_micro_batch, pack_micro_batch
+from furlong.trainer.batching import move_micro_batch, pack_micro_batch, response_positions, to_device
 from furlong.launch.distributed import all_reduce_max
 from furlong.trainer.fsdp import reshard_all
 from furlong.trainer.memory_plan import (GRANULE, SAFETY_FRACTION, MemoryBudget, MemoryPlan, ModeProbe,
@@ -83,7 +83,7 @@ def _measure(actor: Actor, num_tokens: int) -> int:
     mb, slices = _probe_batch(num_tokens, vocab, actor.ctx.device)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    positions = torch.arange(num_tokens - 1, device=actor.ctx.device)   # one prompt token: the rest is response
+    positions = to_device(response_positions(slices), actor.ctx.device)
     logp, ent = actor._log_probs(actor.model, mb, positions, with_entropy=True)
     loss, _ = actor.loss_fn(mb, logp, ent.detach(), actor.cfg.loss, slices)
     loss.backward()
