@@ -165,6 +165,10 @@ def main(argv: list[str] | None = None) -> dict:
         result[f"{name}_decode_rows"] = stats.num_decode_rows
         result[f"{name}_context_tokens"] = stats.num_context_tokens
         result[f"{name}_prefill_steps"] = stats.num_prefill_steps
+        result[f"{name}_decode_windows"] = stats.num_windows
+        result[f"{name}_grouped_rows"] = stats.num_grouped_rows      # rows reading their prompt once per group
+        result[f"{name}_engine_seconds"] = stats.seconds              # inside Engine.step (the rest: the front)
+        result[f"{name}_prefill_seconds"] = stats.prefill_seconds
         engine.release()
     result["ratio_vs_single_engine"] = result["multi_turn_seconds"] / result["single_engine_seconds"]
     result["ratio_vs_single_front"] = result["multi_turn_seconds"] / result["single_front_seconds"]

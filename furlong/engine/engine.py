@@ -150,7 +150,10 @@ class Engine:
                 out = self.runner.prefill(plan.prefill) if plan.prefill else self.runner.decode(plan.decode,
                                                                                                  plan.window)
                 done = [self._completion(s) for s in self.scheduler.postprocess(plan, out)]
-        self.stats.seconds += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        self.stats.seconds += elapsed
+        if plan is not None and plan.prefill:
+            self.stats.prefill_seconds += elapsed
         return done
 
     def generate(self, requests: list[Request]) -> list[list[Completion]]:

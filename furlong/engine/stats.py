@@ -24,6 +24,8 @@ class EngineStats:
     kv_used_sum: float = 0.0          # sum over decode windows of used/total pages
     num_windows: int = 0
     seconds: float = 0.0
+    prefill_seconds: float = 0.0      # of `seconds`, the prefill steps' (each step ends in a host sync for
+                                      # its sampled tokens, so a step's wall time is its device time too)
 
     @property
     def mean_batch(self) -> float:
