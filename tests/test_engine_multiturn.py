@@ -221,3 +221,39 @@ def test_prefix_prefill_flash_matches_reference_on_gpu(kv_dtype):
     """The flash varlen path (bottom-right causal alignment when keys outnumber queries) against the
     reference; the fp8 cache written by the Triton store."""
     _prefix_prefill_against_reference(torch.device("cuda"), torch.bfloat16, kv_dtype, atol=2e-2)
+
+
+def test_decode_rows_of_a_prompt_group_sit_side_by_side(ckpt):
+    """Continuations rejoin in the order their turns ended; decode still runs a group's rows adjacent (the
+    kernel's row-major programs then read the group's shared prompt pages from L2)."""
+    eng = engine(ckpt)
+    plans = []
+    prompts = {0: [5] * 12, 1: [9] * 12}
+    first = {}
+    for conv in (0, 1, 2, 3):                  # conversations 0, 2 share prompt 0; 1, 3 share prompt 1
+        rid = eng.new_request_id()
+        first[conv] = rid
+        eng.add(Request(rid, prompts[conv % 2], greedy(3), retain_kv=True))
+    sched = eng.scheduler
+    original = sched.schedule
+
+    def spy():
+        plan = original()
+        if plan is not None and plan.decode:
+            plans.append([s.fork_group for s in plan.decode])
+        return plan
+    sched.schedule = spy
+    done = {}
+    while eng.has_work():
+        for comp in eng.step():
+            done[comp.request_id] = comp.token_ids
+    assert plans and all(len(set(p)) == 2 for p in plans)
+    for conv in (3, 0, 1, 2):                  # next turns arrive interleaved across the groups
+        ctx = prompts[conv % 2] + done[first[conv]] + [7, 8]
+        eng.add(Request(eng.new_request_id(), ctx, greedy(3), retain_kv=True, continues=first[conv]))
+    plans.clear()
+    while eng.has_work():
+        eng.step()
+    assert plans
+    for groups in plans:
+        assert groups == sorted(groups), groups          # each group's rows contiguous

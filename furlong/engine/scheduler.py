@@ -210,7 +210,12 @@ class Scheduler:
                 raise RuntimeError(f"scheduler: one sequence ({seq.num_tokens} tokens) does not fit the KV cache")
             self.preempt(victim)
         used = self.blocks.num_used / max(self.blocks.num_blocks - 1, 1)
-        return Plan(prefill=[], decode=list(self.running), window=window, kv_used=used)
+        # Rows of one prompt group side by side (a stable sort: admission order within a group). The decode
+        # kernel's programs run in row order, so a group's shared prompt pages, read by its first row, are
+        # still in L2 for the others; continued conversations rejoin `running` in the order their turns
+        # ended, scattering their groups (a short prompt's groups are not cascade-read, cascade.py).
+        rows = sorted(self.running, key=lambda s: s.fork_group)
+        return Plan(prefill=[], decode=rows, window=window, kv_used=used)
 
     def _make_room(self, need: int) -> None:
         """Free pages for the first waiting item: parked pages first; with nothing running (no page
