@@ -10,7 +10,8 @@ Against:
                  n = 8: each prompt prefilled once; the target's baseline)
   single_front   the same, one coroutine per sample on the front (n = 1 requests: what a custom
                  generate function with one turn costs; a prompt's n requests share its prefill)
-Each is run twice; the second run is timed (the first captures CUDA graphs). Target:
+and multi_turn_join_order: the multi-turn run with decode rows in the order they joined (before the
+scheduler grouped a prompt's rows side by side). Each is run twice; the second run is timed (the first captures CUDA graphs). Target:
 multi_turn / single_engine <= 1.2.
 
     python bench/multiturn.py [--workload bench/seed_workload.json] [--output multiturn.json]
@@ -36,6 +37,7 @@ if str(ROOT) not in sys.path:
 
 from furlong.engine import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
 from furlong.engine.async_front import AsyncEngine  # noqa: E402
+from furlong.engine.scheduler import Scheduler  # noqa: E402
 
 NUM_TURNS = 3
 
@@ -111,6 +113,23 @@ def run_single_front(engine: Engine, prompts: list[list[int]], lens: list[int], 
     return time.perf_counter() - start
 
 
+def join_order(run):
+    """`run` with decode rows in the order they joined the running set, as the engine ran them before
+    grouping them by prompt (scheduler.schedule): the side-by-side of what the grouping saves."""
+    original = Scheduler.schedule
+
+    def schedule(self):
+        plan = original(self)
+        if plan is not None and plan.decode:
+            plan.decode = list(self.running)
+        return plan
+    Scheduler.schedule = schedule
+    try:
+        return run()
+    finally:
+        Scheduler.schedule = original
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", default=str(ROOT / "bench" / "seed_workload.json"))
@@ -150,7 +169,9 @@ def main(argv: list[str] | None = None) -> dict:
               "num_samples": len(lens), "num_generated_tokens": sum(lens), "tool_len": tool_len}
     for name, run in (("single_engine", lambda: run_single_engine(engine, prompts, lens, n, 1)),
                       ("single_front", lambda: run_single_front(engine, prompts, lens, n, 1)),
-                      ("multi_turn", lambda: run_multi(engine, prompts, lens, n, tool_len, 1))):
+                      ("multi_turn", lambda: run_multi(engine, prompts, lens, n, tool_len, 1)),
+                      ("multi_turn_join_order", lambda: join_order(lambda: run_multi(engine, prompts, lens, n,
+                                                                                     tool_len, 1)))):
         run()                                   # warm-up: graph captures of every batch size
         engine.release()
         engine.reset_stats()
@@ -172,6 +193,8 @@ def main(argv: list[str] | None = None) -> dict:
         engine.release()
     result["ratio_vs_single_engine"] = result["multi_turn_seconds"] / result["single_engine_seconds"]
     result["ratio_vs_single_front"] = result["multi_turn_seconds"] / result["single_front_seconds"]
+    result["join_order_ratio_vs_single_engine"] = (result["multi_turn_join_order_seconds"]
+                                                   / result["single_engine_seconds"])
     result["context_ratio_vs_single_engine"] = (result["multi_turn_context_tokens"]
                                                 / max(result["single_engine_context_tokens"], 1))
     text = json.dumps(result, indent=1)
