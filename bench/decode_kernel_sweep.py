@@ -101,14 +101,13 @@ def main() -> None:
             q, k, v, ks, vs, tables, lens, nbytes = build(batch, context, fp8, gen)
             ref = None
             grid = ((64,) if a.quick else (32, 64), ints(a.warps), ints(a.stages),
-                    sorted({base, base * 2, max(1, base // 2)}), (False, True), (False, True) if fp8 else (False,))
-            for block_n, warps, stages, splits, early_v, cvt in itertools.product(*grid):
+                    sorted({base, base * 2, max(1, base // 2)}), (False, True))
+            for block_n, warps, stages, splits, early_v in itertools.product(*grid):
                 def fn():
                     return paged_decode_attention(q, k, v, tables, lens, splits, block_n=block_n,
                                                   key_scales=ks if fp8 else None,
                                                   value_scales=vs if fp8 else None,
-                                                  num_warps=warps, num_stages=stages, early_v=early_v,
-                                                  cvt_early=cvt)
+                                                  num_warps=warps, num_stages=stages, early_v=early_v)
                 try:
                     out = fn()
                     ref = out if ref is None else ref
@@ -117,14 +116,13 @@ def main() -> None:
                 except Exception as e:   # a setting Triton cannot compile (shared memory): reported
                     results.append(dict(batch=batch, context=context, kv="fp8" if fp8 else "bf16",
                                         block_n=block_n, warps=warps, stages=stages, splits=splits, early_v=early_v,
-                                        cvt_early=cvt, error=str(e).splitlines()[0][:200]))
+                                        error=str(e).splitlines()[0][:200]))
                     continue
                 row = dict(batch=batch, context=context, kv="fp8" if fp8 else "bf16", block_n=block_n,
-                           warps=warps, stages=stages, splits=splits, early_v=early_v, cvt_early=cvt,
-                           ms=round(ms, 4),
+                           warps=warps, stages=stages, splits=splits, early_v=early_v, ms=round(ms, 4),
                            tb_s=round(nbytes / ms / 1e9, 3), max_diff_vs_first=err,
-                           engine_setting=(block_n, warps, stages, splits, early_v, cvt) ==
-                           (64, 2 if fp8 else 4, 2, base, fp8, fp8))
+                           engine_setting=(block_n, warps, stages, splits, early_v) ==
+                           (64, 2 if fp8 else 4, 2, base, fp8))
                 results.append(row)
                 print(json.dumps(row), flush=True)
             del q, k, v, ks, vs
@@ -141,7 +139,7 @@ def main() -> None:
                    (x["batch"], x["context"], x["kv"]) == (r["batch"], r["context"], r["kv"]))
         print(f"  B={r['batch']} ctx={r['context']} {r['kv']}: engine {eng['ms']:.3f} ms ({eng['tb_s']} TB/s); "
               f"best {r['ms']:.3f} ms ({r['tb_s']} TB/s) at block_n {r['block_n']} warps {r['warps']} "
-              f"stages {r['stages']} splits {r['splits']} early_v {r['early_v']} cvt_early {r.get('cvt_early')}")
+              f"stages {r['stages']} splits {r['splits']} early_v {r['early_v']}")
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "decode_kernel_sweep.json").write_text(json.dumps(results, indent=1))
 

@@ -17,13 +17,11 @@ paged_decode_attention  one query token per row over its paged KV (flash-decodin
     6.4 ms for bf16 K/V at B=256 with that detour), and their per-token scales
     applied outside them: a score column is multiplied by its key's scale, a
     probability column by its value's scale relative to the tile's largest
-    before P.V, the largest after. What bounded it was instructions, not bytes: given a plain cast,
-    Triton 3.6 moves the convert after the dot's layout change and reads the 8-bit operand out of
-    shared memory with plain loads and byte shuffles (no ldmatrix): its sm_90 PTX (compiled offline)
-    held ~5x the shared-memory instructions of the bf16 kernel's. Before V's early load, fp8 took
-    0.64x bf16's time at B=256 x 4096 tokens on an H100 and 0.91x on an H200. Now the tiles are
-    widened where they are loaded by an opaque conversion (_e4m3_to_f16) that cannot be moved, and
-    cross shared memory as fp16, as bf16 tiles do.
+    before P.V, the largest after. What bounds it is instructions, not bytes: Triton 3.6 reads an
+    8-bit dot operand out of shared memory with plain loads and byte shuffles (no ldmatrix) before
+    the converts: its sm_90 PTX (compiled offline) holds ~5x the shared-memory instructions of the
+    bf16 kernel's. Before V's early load, fp8 took 0.64x bf16's time at B=256 x 4096 tokens on an
+    H100 and 0.91x on an H200 (more bandwidth per instruction).
 store_kv  each new token's k and v into its (page, offset) slot, one program per
     (token, kv head): one launch per layer instead of two generic index_put kernels;
     for an fp8 cache it quantises the row with its absmax scale (kv_fp8.py).
@@ -41,24 +39,12 @@ from furlong.engine.cascade import PrefixGroups
 
 
 @triton.jit
-def _e4m3_to_f16(x):
-    """e4m3 -> fp16 where the tile was loaded (the blocked layout), four values per 32-bit register: an
-    opaque conversion Triton cannot move past the dot's layout change, so the tile crosses shared memory
-    as fp16 and is read back with ldmatrix, as a bf16 tile is (a plain `.to` is moved after it and the
-    8-bit operand is read with byte loads and shuffles). PTX only: no interpreter path."""
-    return tl.inline_asm_elementwise(
-        asm="{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-        constraints="=r,=r,r", args=[x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
-
-
-@triton.jit
 def _decode_attn_kernel(Q, K, V, KS, VS, BT, CL, PL, GR, GP, O, LSE, OUT,
                         s_qb, s_qh, s_kp, s_kh, s_ks, s_sp, s_sh, s_bt, s_gr, s_ob, s_oh, s_os, s_lb, s_lh, s_outb,
                         s_outh, scale, num_splits, group_splits,
                         GROUP: tl.constexpr, QP: tl.constexpr, MEMBERS: tl.constexpr, D: tl.constexpr,
                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, CASCADE: tl.constexpr,
-                        FP8: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr, EARLY_V: tl.constexpr,
-                        CVT_EARLY: tl.constexpr):
+                        FP8: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr, EARLY_V: tl.constexpr):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -107,12 +93,8 @@ def _decode_attn_kernel(Q, K, V, KS, VS, BT, CL, PL, GR, GP, O, LSE, OUT,
         off = page * s_kp + kvh * s_kh + (start % PAGE + n)[:, None] * s_ks + d[None, :]
         valid = ((start + n) < hi) & ((start + n) >= lo)
         k = tl.load(K + off, mask=valid[:, None], other=0.0)
-        if CVT_EARLY:
-            k = _e4m3_to_f16(k)
         if EARLY_V:   # V's load issued beside K's (the launcher says when)
             v = tl.load(V + off, mask=valid[:, None], other=0.0)
-            if CVT_EARLY:
-                v = _e4m3_to_f16(v)
         if FP8:
             # e4m3 -> fp16 is one conversion instruction per pair on sm90 (to bf16 it goes through
             # fp32), so an fp8 tile's dots run in fp16: q, p and the scaled values are far inside its range
@@ -128,8 +110,6 @@ def _decode_attn_kernel(Q, K, V, KS, VS, BT, CL, PL, GR, GP, O, LSE, OUT,
         l = l * alpha + tl.sum(p, 1)
         if not EARLY_V:
             v = tl.load(V + off, mask=valid[:, None], other=0.0)
-            if CVT_EARLY:
-                v = _e4m3_to_f16(v)
         if FP8:
             # value scales relative to the tile's largest, so p * scale stays in fp16's normal range
             # (a small-magnitude head's scales alone could flush to zero); the largest multiplies after
@@ -179,7 +159,7 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
                            prefix: PrefixGroups | None = None, group_splits: int = 1,
                            key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None,
                            num_warps: int | None = None, num_stages: int = 2,
-                           early_v: bool | None = None, cvt_early: bool | None = None) -> torch.Tensor:
+                           early_v: bool | None = None) -> torch.Tensor:
     """q [B, Hq, D]; keys/values [num_pages, Hkv, page, D]; block_tables [B, max_pages] int32;
     context_lens [B] int32 -> [B, Hq, D] in q's dtype (zeros where context_lens is 0).
     fp8 cache: keys/values float8_e4m3fn, key/value_scales [num_pages, Hkv, page] float32 (same strides).
@@ -201,10 +181,6 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     # V's load issued beside K's: fp8 0.848 against 0.902 ms at B=256 x 4096, 0.144 against 0.154 at x 640
     # (an H100, 2026-12-05); bf16 ties either way and keeps V's load after the softmax
     early_v = fp8 if early_v is None else early_v
-    # fp8 tiles widened to fp16 where they are loaded (_e4m3_to_f16), so the dots read them with ldmatrix:
-    # in the sm_90 PTX 45 ldmatrix + 40 ld.shared against 9 + 176 with the plain cast, 192 registers
-    # against 255 (2 warps, compiled offline)
-    cvt_early = fp8 if cvt_early is None else (cvt_early and fp8)
     if fp8 and (key_scales.stride() != value_scales.stride() or key_scales.stride(-1) != 1):
         raise ValueError("paged_decode_attention: key/value scales must be laid out alike, tokens contiguous")
     ks, vs = (key_scales, value_scales) if fp8 else (context_lens, context_lens)   # unused without fp8
@@ -235,8 +211,7 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
         group_splits, GROUP=group, QP=qp, MEMBERS=members, D=dim, PAGE=page, BLOCK_N=block_n,
         DIRECT=direct, CASCADE=cascade, FP8=fp8,
         DOT=tl.float32 if q.dtype == torch.float32 else tl.float16,   # fp8 tiles' dot dtype (docstring)
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", EARLY_V=early_v, CVT_EARLY=cvt_early,
-        num_warps=num_warps,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", EARLY_V=early_v, num_warps=num_warps,
         num_stages=num_stages)
     if not direct:
         _combine_kernel[(num_rows, num_heads)](
