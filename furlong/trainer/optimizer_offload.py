@@ -24,6 +24,9 @@ a copy of its count, and the count itself goes up once. The state is AdamW's ({"
 load it unchanged (checkpoint/store.py) and a checkpoint resumes with or without the flag; loading copies
 the moments into the pinned buffers instead of torch's default of moving them to the parameter's device.
 
+Under LoRA only the adapters train, so only their moments move (megabytes): allowed, though it saves little.
+The critic of --advantage-estimator ppo takes the same placement (the flag is the trainers' placement).
+
 Megatron's --optimizer-cpu-offload (HybridDeviceOptimizer) keeps a share of the master weights, their
 gradients and moments on the CPU and runs that share's update there with a CPU Adam, overlapping the
 copies of weights and gradients. We stream only the moments to the GPU instead: the update is a
