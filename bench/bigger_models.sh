@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device runs behind BENCHMARKS.md "Bigger models, fp8 KV": each step writes JSON/logs into $OUT.
-#   bash bench/bigger_models.sh PART...   PART: gpu-tests | decode-fp8 | seed-fp8 | 4b | 4b-lora | 8b-offload |
-#                                               8b-lora | long-fp8 | 1p7b | 4b-ref | lora-apply
+#   bash bench/bigger_models.sh PART...   PART: gpu-tests | decode-fp8 | seed-fp8 | 4b | 4b-optoff | 4b-lora |
+#                                               8b-offload | 8b-optoff | 8b-lora | long-fp8 | 1p7b | 4b-ref | lora-apply
 # Every run is bounded by `timeout` so that $OUT always comes back within the device call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +11,7 @@ bench() {  # name seconds args...
     local name=$1 secs=$2; shift 2
     FURLONG_BENCH_TIME_S=$((secs - 20)) timeout -k 10 "$secs" python3 -m furlong bench --output "$OUT/$name.json" "$@" \
         >"$OUT/$name.log" 2>&1
-    echo "== $name: exit $?"; grep -E "^(step|train +(train_tok|train_mfu|train_peak|num_micro|planned|gradient|cpu_off|weight_sync_s)|rollout +(seconds|tok_per|first_sec|kv_cache|status))|memory plan|Error|error" "$OUT/$name.log" | head -40
+    echo "== $name: exit $?"; grep -E "^(step|train +(train_step_s |train_tok|train_mfu|train_peak|num_micro|planned|gradient|cpu_off|optimizer_|weight_sync_s)|rollout +(seconds|tok_per|first_sec|kv_cache|status))|memory plan|Error|error" "$OUT/$name.log" | head -40
 }
 for part in "$@"; do
     case $part in
@@ -32,6 +32,12 @@ for part in "$@"; do
     lora-apply) timeout -k 10 120 python3 bench/lora_engine_cost.py --workload bench/qwen3_8b_workload.json \
                    --out "$OUT" >"$OUT/lora_engine_cost.log" 2>&1; echo "== lora-apply: exit $?"; tail -14 "$OUT/lora_engine_cost.log" ;;
     4b) bench qwen3_4b 300 --workload bench/qwen3_4b_workload.json --parts train,rollout ;;
+    # AdamW's moments in CPU memory, streamed to the GPU per update (--optimizer-cpu-offload): beside plain 4b,
+    # and the 8B full-parameter shape that neither the GPU alone nor --fsdp-cpu-offload's host can hold
+    4b-optoff) bench qwen3_4b_optoff 300 --workload bench/qwen3_4b_workload.json --parts train,rollout \
+                   --optimizer-cpu-offload ;;
+    8b-optoff) FURLONG_BENCH_GUARD_S=360 bench qwen3_8b_optoff 400 --workload bench/qwen3_8b_workload.json --parts train \
+                   --optimizer-cpu-offload ;;
     8b-offload) FURLONG_BENCH_GUARD_S=280 bench qwen3_8b_offload 310 --workload bench/qwen3_8b_workload.json --parts train --fsdp-cpu-offload ;;
     8b-lora) FURLONG_BENCH_GUARD_S=200 bench qwen3_8b_lora 300 --workload bench/qwen3_8b_workload.json --parts train,rollout --lora-rank 64 \
                  --lora-alpha 128 ;;

@@ -83,6 +83,9 @@ def _build_parser() -> _Parser:
                    help="the engine's KV cache in the generating parts (default: auto, the model's dtype)")
     b.add_argument("--fsdp-cpu-offload", action="store_true",
                    help="the trainer's fp32 masters, gradients and AdamW state in CPU memory")
+    b.add_argument("--optimizer-cpu-offload", action="store_true",
+                   help="AdamW's moments in CPU memory, streamed to the GPU for each update (masters and "
+                        "gradients stay on the GPU)")
     b.add_argument("--lora-rank", type=int, default=0, metavar="R", help="train LoRA adapters of rank R on all "
                    "linear layers (default: 0, full-parameter)")
     b.add_argument("--lora-alpha", type=float, default=16.0, metavar="A", help="LoRA alpha (default: 16)")
@@ -163,8 +166,10 @@ def _run(argv: list[str]) -> int:
                         settings=args.settings)
     if args.command == "bench":
         from furlong.bench import run_bench
+        if args.fsdp_cpu_offload and args.optimizer_cpu_offload:
+            raise ValueError("--optimizer-cpu-offload: cannot be combined with --fsdp-cpu-offload: give one of them")
         return run_bench(args.workload, args.output, args.parts, args.kv_dtype, args.fsdp_cpu_offload,
-                         args.lora_rank, args.lora_alpha)
+                         args.lora_rank, args.lora_alpha, optimizer_offload=args.optimizer_cpu_offload)
     if args.command == "plot":
         from furlong.commands.plot import plot_run
         print(f"plot: wrote {plot_run(args.run_dir, args.output)}")

@@ -151,6 +151,10 @@ def validate(cfg: Config, command: str = "train", reward_given: bool = False) ->
     _need(p.actor_num_gpus_per_node >= 1, "--actor-num-gpus-per-node", "must be >= 1")
     _need(p.actor_num_nodes >= 1, "--actor-num-nodes", "must be >= 1")
     _need(p.device in ("auto", "cpu", "cuda"), "--device", f"unknown device {p.device!r}")
+    # one placement of the trainer's state or the other; LoRA may offload its adapters' moments (little to gain)
+    _need(not (p.optimizer_cpu_offload and p.fsdp_cpu_offload), "--optimizer-cpu-offload",
+          "cannot be combined with --fsdp-cpu-offload (which already keeps AdamW's moments, with the master "
+          "weights and gradients, in CPU memory): give one of them")
     _need(p.distributed_timeout_minutes >= 1, "--distributed-timeout-minutes", "must be >= 1")
     _need(not p.use_fault_tolerance or cfg.ckpt.save is not None, "--use-fault-tolerance",
           "needs --save (a restarted worker resumes from the run's last checkpoint there)")

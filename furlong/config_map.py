@@ -78,7 +78,8 @@ def shard_config(cfg: Config) -> ShardConfig:
     p = cfg.parallel
     return ShardConfig(dtype=p.dtype, torch_compile=p.torch_compile,
                        gradient_checkpointing=cfg.batch.gradient_checkpointing,
-                       reshard_after_forward=p.fsdp_reshard_after_forward, cpu_offload=p.fsdp_cpu_offload)
+                       reshard_after_forward=p.fsdp_reshard_after_forward, cpu_offload=p.fsdp_cpu_offload,
+                       optimizer_offload=p.optimizer_cpu_offload)
 
 
 def batching_config(cfg: Config) -> BatchingConfig:

@@ -42,6 +42,7 @@ def _one(b: Bench, placement: str) -> RefPlacementRow:
     cfg = b.config()
     cfg.algo.use_kl_loss, cfg.ref.ref_placement = True, placement
     cfg.parallel.fsdp_cpu_offload = b.cpu_offload
+    cfg.parallel.optimizer_cpu_offload = b.optimizer_offload
     actor = Actor(b.random_model(), actor_config(cfg), b.ctx)
     dev = b.device
     free_memory(dev)

@@ -44,6 +44,8 @@ class TrainResult:
     planned_max_tokens: int | None = None   # the memory plan's budget (run set-up's rule; None off CUDA)
     gradient_checkpointing: bool = False    # recompute, as asked or as the plan turned it on
     cpu_offload: bool = False               # --fsdp-cpu-offload
+    optimizer_offload: bool = False         # --optimizer-cpu-offload
+    optimizer_step_s: float | None = None   # the timed steps' optimizer.step() (device time, median of the steps)
     memory_note: str | None = None          # the plan's line when it departed from the workload's flags
 
 

@@ -46,6 +46,7 @@ def part_train(b: Bench) -> TrainResult:
     runs = [timed(lambda: actor.train_step(samples, steps), dev) for _ in range(TIMED_TRAIN_STEPS)]
     tm, train_all = runs[-1][0], [s for _, s in runs]
     train_s = statistics.median(train_all)
+    optimizer_s = statistics.median(m.optimizer_step_seconds for m, _ in runs)   # within train_s
     train_peak = peak_gib(dev)
     mine = split_across_ranks(lengths, b.ctx.world_size)[b.ctx.rank]
     stats = balance_stats([lengths[i] for i in mine], plan_micro_batches([lengths[i] for i in mine],
@@ -53,7 +54,8 @@ def part_train(b: Bench) -> TrainResult:
     flops = model_flops_per_token(actor.model)   # 6 x params; about 4 x under LoRA (trainer/mfu.py)
     mfu = train_mfu(flops, num_tokens, train_s, dev, b.ctx.world_size) if dev.type == "cuda" else None
     print(f"[bench] train: log-probs {logp_s:.2f}s, train_step {train_s:.2f}s (median of "
-          f"{', '.join(f'{t:.3f}' for t in train_all)}), {tm.num_micro_batches} micro-batches", flush=True)
+          f"{', '.join(f'{t:.3f}' for t in train_all)}; optimizer step {optimizer_s:.3f}s), "
+          f"{tm.num_micro_batches} micro-batches", flush=True)
 
     mbs1_s = mbs1_mb = None
     try:
@@ -92,6 +94,7 @@ def part_train(b: Bench) -> TrainResult:
         weight_sync_s=sync_s, weight_sync_gib=None if sync_bytes is None else sync_bytes / 2**30,
         planned_max_tokens=None if b.plan is None else b.plan.max_tokens_per_gpu,
         gradient_checkpointing=bool(actor.model.gradient_checkpointing), cpu_offload=b.cpu_offload,
+        optimizer_offload=b.optimizer_offload, optimizer_step_s=optimizer_s,
         memory_note=None if b.plan is None else b.plan.note,
         weight_sync_note=note)
 

@@ -1,10 +1,16 @@
-"""Will the CPU side of --fsdp-cpu-offload fit in this machine's memory? Checked before the trainer is built.
+"""Will the CPU side of --fsdp-cpu-offload or --optimizer-cpu-offload fit in this machine's memory? Checked
+before the trainer is built.
 
 Full-parameter training with FSDP2's CPU offload keeps, per parameter and in CPU memory, the fp32 master
 weight (4 bytes), its fp32 gradient (4) and AdamW's two fp32 moments (8): 16 bytes, sharded over the ranks,
 so the ranks on one host hold 16 x params x local ranks / ranks between them (Qwen3-8B alone: 131 GB). A
 reference model placed on the CPU (--ref-placement) adds its bf16 shards (2 bytes). Under LoRA only the
 adapters are trained: their 16 bytes per parameter, and the frozen base's shards in the compute dtype.
+
+--optimizer-cpu-offload keeps only AdamW's two fp32 moments in CPU memory: 8 bytes per trained parameter,
+sharded the same way (Qwen3-8B alone: 66 GB); masters, gradients and a LoRA base stay on the GPU. Its
+reference counts on the host unless --ref-placement gpu (auto may place it either side; the check takes
+the larger).
 
 Why a check: past what the host has, the kernel ends the process with SIGKILL (the Qwen3-8B shape on a
 128 GiB device machine, 2026-12-05: exit 137 about two minutes in, before the first step, no message).
@@ -24,15 +30,17 @@ if TYPE_CHECKING:
 
 GIB = 1024 ** 3
 TRAINED_BYTES = 16         # fp32 master weight + fp32 gradient + AdamW's exp_avg and exp_avg_sq, per parameter
+MOMENT_BYTES = 8           # --optimizer-cpu-offload: AdamW's exp_avg and exp_avg_sq (fp32), per trained parameter
 HEADROOM = 1.05            # pinned staging buffers, allocator slack, the Python process itself
 
 
 def offload_host_bytes(num_params: int, num_trainable: int, frozen_bytes_per_param: int, ref_bytes_per_param: int,
-                       world_size: int, local_world_size: int) -> int:
-    """CPU bytes the ranks on this host hold under --fsdp-cpu-offload: trained parameters at 16 bytes, the
-    frozen rest (LoRA's base) at frozen_bytes_per_param, a CPU reference at ref_bytes_per_param (0: none),
-    all sharded evenly over world_size ranks, local_world_size of which share this host."""
-    per_param = (num_trainable * TRAINED_BYTES + (num_params - num_trainable) * frozen_bytes_per_param
+                       world_size: int, local_world_size: int, trained_bytes_per_param: int = TRAINED_BYTES) -> int:
+    """CPU bytes the ranks on this host hold: trained parameters at trained_bytes_per_param (16 under
+    --fsdp-cpu-offload, MOMENT_BYTES under --optimizer-cpu-offload), the frozen rest (LoRA's base) at
+    frozen_bytes_per_param, a CPU reference at ref_bytes_per_param (0: none), all sharded evenly over
+    world_size ranks, local_world_size of which share this host."""
+    per_param = (num_trainable * trained_bytes_per_param + (num_params - num_trainable) * frozen_bytes_per_param
                  + num_params * ref_bytes_per_param)
     return int(per_param * HEADROOM * local_world_size / world_size)
 
@@ -49,22 +57,24 @@ def mem_available_bytes(meminfo: str | Path = "/proc/meminfo") -> int | None:
     return None
 
 
-def check_offload_fits(needed: int, available: int | None, num_params: int, lora: bool) -> None:
-    """Raise ValueError naming --fsdp-cpu-offload when `needed` bytes exceed `available` (None: unknown, pass)."""
+def check_offload_fits(needed: int, available: int | None, num_params: int, lora: bool,
+                       flag: str = "--fsdp-cpu-offload") -> None:
+    """Raise ValueError naming `flag` when `needed` bytes exceed `available` (None: unknown, pass)."""
     if available is None or needed <= available:
         return
     hint = ("run on more hosts (torchrun: the state shards over every rank)" if lora else
             "train LoRA adapters instead (--lora-rank 64: a few bytes per base parameter), or run on more hosts")
-    raise ValueError(f"--fsdp-cpu-offload: the offloaded training state of {num_params / 1e9:.2f}B parameters needs "
+    raise ValueError(f"{flag}: the offloaded training state of {num_params / 1e9:.2f}B parameters needs "
                      f"~{needed / GIB:.0f} GiB of CPU memory on this host, {available / GIB:.0f} GiB is available; "
                      f"{hint}")
 
 
 def check_offload_host_memory(cfg: Config, args: ModelArgs, world_size: int, with_reference: bool,
                               compute_bytes: int) -> None:
-    """For a training run under --fsdp-cpu-offload: ValueError (one line) when this host's ranks would need
-    more CPU memory than it has available (module docstring); compute_bytes: the compute dtype's size (LoRA's
-    frozen base, a CPU reference). Nothing is allocated (meta-device shapes)."""
+    """For a training run under --fsdp-cpu-offload or --optimizer-cpu-offload: ValueError (one line naming the
+    flag) when this host's ranks would need more CPU memory than it has available (module docstring);
+    compute_bytes: the compute dtype's size (LoRA's frozen base, a CPU reference). Nothing is allocated
+    (meta-device shapes)."""
     import math
 
     from furlong.config_map import lora_config
@@ -78,5 +88,10 @@ def check_offload_host_memory(cfg: Config, args: ModelArgs, world_size: int, wit
     # the offloaded actor's reference sits in CPU memory unless --ref-placement gpu keeps it resident
     ref_bytes = compute_bytes if with_reference and cfg.ref.ref_placement != "gpu" else 0
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))   # torchrun's; one host when unset
-    needed = offload_host_bytes(num_params, num_trainable, compute_bytes, ref_bytes, world_size, local)
-    check_offload_fits(needed, mem_available_bytes(), num_params, spec is not None)
+    if cfg.parallel.optimizer_cpu_offload:   # the moments only: masters, gradients and a LoRA base stay on the GPU
+        needed = offload_host_bytes(num_params, num_trainable, 0, ref_bytes, world_size, local, MOMENT_BYTES)
+        flag = "--optimizer-cpu-offload"
+    else:
+        needed = offload_host_bytes(num_params, num_trainable, compute_bytes, ref_bytes, world_size, local)
+        flag = "--fsdp-cpu-offload"
+    check_offload_fits(needed, mem_available_bytes(), num_params, spec is not None, flag)

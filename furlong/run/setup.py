@@ -93,7 +93,8 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctio
     trains = with_actor and not cfg.debug.debug_rollout_only
     device = ctx.device
     dtype = compute_dtype(device, cfg.parallel.dtype)
-    if trains and cfg.parallel.fsdp_cpu_offload:   # past the host's memory the OOM killer ends the run silently
+    # past the host's memory the OOM killer ends the run silently
+    if trains and (cfg.parallel.fsdp_cpu_offload or cfg.parallel.optimizer_cpu_offload):
         from furlong.run.host_memory import check_offload_host_memory
         check_offload_host_memory(cfg, inputs.model_args, ctx.world_size, inputs.reference is not None,
                                   dtype.itemsize)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from furlong.config import OptimConfig
 from furlong.trainer.batching import pack_micro_batch, padding_micro_batch
+from furlong.trainer.device_timer import DeviceTimer
 from furlong.trainer.fsdp import micro_batch_sync, prepare_trainer_model
 from furlong.trainer.metrics import StepResult
 from furlong.trainer.no_grad_pass import PositionFn, gathered_forward
@@ -49,7 +50,7 @@ class Trainer:
         steps of the LR schedule. `name` says whose step a log line is about."""
         self.ctx, self.name, self.shard, self.clip_grad = ctx, name, shard, optim.clip_grad
         self.model = prepare_trainer_model(model, ctx, shard).train()
-        self.optimizer = build_optimizer(self.model, optim)
+        self.optimizer = build_optimizer(self.model, optim, offload_moments=shard.optimizer_offload)
         self.scheduler = build_lr_scheduler(self.optimizer, optim, total_steps)
 
     def _gathered(self, model: torch.nn.Module, samples: list[TrainSample], steps: BatchingConfig,
@@ -84,16 +85,18 @@ class Trainer:
             loss, metrics = micro_loss(mb, samples)
             loss.backward()
             total = total + metrics
-        host, norm, lr = self._finish(total.stacked())
+        host, norm, lr, timer = self._finish(total.stacked())
         rank_tokens = [sum(lengths[i] for i in idx) for idx in split]
         mean_tokens = sum(rank_tokens) / len(rank_tokens)
         return StepResult(metrics=metrics_type.from_host(host), grad_norm=norm, finite=math.isfinite(norm), lr=lr,
                           num_micro_batches=num_mb, num_tokens=sum(lengths),
-                          tokens_max_over_mean=max(rank_tokens) / mean_tokens if mean_tokens > 0 else 1.0)
+                          tokens_max_over_mean=max(rank_tokens) / mean_tokens if mean_tokens > 0 else 1.0,
+                          optimizer_timer=timer)
 
-    def _finish(self, stacked: torch.Tensor) -> tuple[list[float], float, float]:
-        """Step 3 of the module docstring: (rank-summed metrics [M] on the host, grad norm, lr used).
-        stacked [M]: this rank's loss metrics; --clip-grad 0 means no clipping."""
+    def _finish(self, stacked: torch.Tensor) -> tuple[list[float], float, float, DeviceTimer | None]:
+        """Step 3 of the module docstring: (rank-summed metrics [M] on the host, grad norm, lr used, the
+        optimizer step's timer: None when it was skipped). stacked [M]: this rank's loss metrics;
+        --clip-grad 0 means no clipping."""
         clip = self.clip_grad if self.clip_grad > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         if hasattr(grad_norm, "full_tensor"):
@@ -102,13 +105,16 @@ class Trainer:
             dist.all_reduce(stacked)
         host = torch.cat([stacked, grad_norm.reshape(1).float().to(stacked.device)]).tolist()
         norm, lr = host[-1], self.scheduler.get_last_lr()[0]
+        timer = None
         if math.isfinite(norm):
+            timer = DeviceTimer(self.ctx.device)
             self.optimizer.step()
+            timer.stop()
         else:
             log.warning("%s: skipping optimizer step: grad norm is %s", self.name, norm)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return host[:-1], norm, lr
+        return host[:-1], norm, lr, timer
 
     def reset_optimizer_state(self) -> None:
         """--reset-optimizer-states: zero AdamW's moments and step counts (Megatron's reset in miles); the

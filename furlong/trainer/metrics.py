@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from furlong.trainer.device_timer import DeviceTimer
 from furlong.types import WeightedSums
 
 
@@ -21,6 +22,7 @@ class StepResult:
     num_micro_batches: int        # per rank (all ranks run the same count)
     num_tokens: int               # prompt + response tokens of the step, all ranks
     tokens_max_over_mean: float   # rank token balance: max rank tokens / mean (1.0 = perfect)
+    optimizer_timer: DeviceTimer | None = None   # optimizer.step() on the device (None: skipped or not timed)
 
 
 def loss_means(steps: list[StepResult]) -> dict[str, float]:
@@ -31,10 +33,13 @@ def loss_means(steps: list[StepResult]) -> dict[str, float]:
 
 def step_summary(steps: list[StepResult]) -> dict[str, float | int]:
     """grad_norm (mean over the finite steps; over all when none is), lr (the last step's), num_steps,
-    num_skipped_steps (non-finite grad norm)."""
+    num_skipped_steps (non-finite grad norm), optimizer_step_seconds (the optimizer steps' device time,
+    summed; read here, after the last step, so that timing them costs no host wait per step)."""
     finite = [st for st in steps if st.finite] or steps
     return {"grad_norm": sum(st.grad_norm for st in finite) / len(finite), "lr": steps[-1].lr,
-            "num_steps": len(steps), "num_skipped_steps": sum(not st.finite for st in steps)}
+            "num_steps": len(steps), "num_skipped_steps": sum(not st.finite for st in steps),
+            "optimizer_step_seconds": sum(st.optimizer_timer.seconds() for st in steps
+                                          if st.optimizer_timer is not None)}
 
 
 @dataclass
@@ -56,6 +61,7 @@ class TrainMetrics:
     tokens_max_over_mean: float   # rank token balance: max rank tokens / mean (1.0 = perfect)
     num_tokens: int               # prompt + response tokens trained, all ranks
     seconds: float
+    optimizer_step_seconds: float = 0.0   # optimizer.step() of every step, device time (perf/optimizer_step_time)
 
     @classmethod
     def of(cls, steps: list[StepResult], seconds: float) -> TrainMetrics:
@@ -65,8 +71,10 @@ class TrainMetrics:
                    num_tokens=sum(st.num_tokens for st in steps), seconds=seconds)
 
     def to_log(self) -> dict[str, float]:
-        """`train/*` metric names of docs/design.md §7."""
-        return {f"train/{f.name}": getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "seconds"}
+        """`train/*` metric names of docs/design.md §7, and perf/optimizer_step_time."""
+        out = {f"train/{f.name}": getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in ("seconds", "optimizer_step_seconds")}
+        return {**out, "perf/optimizer_step_time": self.optimizer_step_seconds}
 
 
 @dataclass
@@ -80,7 +88,11 @@ class CriticMetrics:
     num_steps: int
     num_skipped_steps: int
     seconds: float
+    optimizer_step_seconds: float = 0.0   # as TrainMetrics' (perf/critic_optimizer_step_time)
 
     def to_log(self) -> dict[str, float]:
-        """`critic/*` metric names (docs/design.md §7; miles logs train/critic-value_loss, ...)."""
-        return {f"critic/{f.name}": getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "seconds"}
+        """`critic/*` metric names (docs/design.md §7; miles logs train/critic-value_loss, ...), and
+        perf/critic_optimizer_step_time."""
+        out = {f"critic/{f.name}": getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in ("seconds", "optimizer_step_seconds")}
+        return {**out, "perf/critic_optimizer_step_time": self.optimizer_step_seconds}

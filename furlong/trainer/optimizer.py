@@ -64,20 +64,33 @@ def _adamw(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
                              fused=True if fused else None)
 
 
+def _offloaded_adamw(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """--optimizer-cpu-offload: the same update as _adamw's (fused on a CUDA run), moments in CPU memory."""
+    from furlong.trainer.optimizer_offload import OffloadedAdamW
+    return OffloadedAdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                          fused=_on_cuda_run(groups[0]["params"][0]))
+
+
 # --optimizer name -> constructor. "adam" is AdamW (decoupled decay), as in miles/Megatron.
 OPTIMIZERS: dict[str, Callable[[list[dict], OptimConfig], torch.optim.Optimizer]] = {
     "adam": _adamw,
 }
+# the same names under --optimizer-cpu-offload (optimizer_offload.py)
+OFFLOADED_OPTIMIZERS: dict[str, Callable[[list[dict], OptimConfig], torch.optim.Optimizer]] = {
+    "adam": _offloaded_adamw,
+}
 
 
 def build_optimizer(params_or_model: torch.nn.Module | Iterable[torch.nn.Parameter],
-                    optim_cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters; decay on >= 2-D weights only (see module docstring)."""
+                    optim_cfg: OptimConfig, offload_moments: bool = False) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters; decay on >= 2-D weights only (see module docstring).
+    `offload_moments`: --optimizer-cpu-offload (AdamW's moments in CPU memory, optimizer_offload.py)."""
+    table = OFFLOADED_OPTIMIZERS if offload_moments else OPTIMIZERS
     try:
-        make = OPTIMIZERS[optim_cfg.optimizer]
+        make = table[optim_cfg.optimizer]
     except KeyError:
         raise ValueError(f"--optimizer: unknown optimizer {optim_cfg.optimizer!r} "
-                         f"({', '.join(OPTIMIZERS)})") from None
+                         f"({', '.join(table)})") from None
     groups = _param_groups(params_or_model, optim_cfg.weight_decay)
     if not groups:
         raise ValueError("build_optimizer: no trainable parameters")

@@ -34,6 +34,9 @@ class ShardConfig:
     # --fsdp-cpu-offload: fp32 master shards, their gradients and AdamW state in CPU memory; layers are
     # copied to the GPU for their forward/backward and the optimizer step runs on the CPU
     cpu_offload: bool = False
+    # --optimizer-cpu-offload: AdamW's moments in pinned CPU memory, streamed to the GPU for each update
+    # (trainer/optimizer_offload.py); masters and gradients stay where cpu_offload puts them (the GPU)
+    optimizer_offload: bool = False
 
 
 @dataclass(frozen=True)
