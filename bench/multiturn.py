@@ -11,8 +11,8 @@ Against:
   single_front   the same, one coroutine per sample on the front (n = 1 requests: what a custom
                  generate function with one turn costs; a prompt's n requests share its prefill)
 and multi_turn_join_order: the multi-turn run with decode rows in the order they joined (before the
-scheduler grouped a prompt's rows side by side). Each is run twice; the second run is timed (the first captures CUDA graphs). Target:
-multi_turn / single_engine <= 1.2.
+scheduler grouped a prompt's rows side by side). Each is run twice; the second run is timed (the first
+captures CUDA graphs). Target: multi_turn / single_engine <= 1.2.
 
     python bench/multiturn.py [--workload bench/seed_workload.json] [--output multiturn.json]
     python bench/multiturn.py --tiny          # CPU: a tiny model and 4 x 2 samples (tests/test_bench_multiturn.py)

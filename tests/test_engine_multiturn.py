@@ -167,7 +167,7 @@ def _prefix_prefill_against_reference(dev: torch.device, dtype: torch.dtype, kv_
     from furlong.engine.kv_cache import KVLayout, PagedKVCache, PrefillContext
     from furlong.engine.kv_fp8 import FP8, dequantize, quantize
     from furlong.engine.prefix_prefill import prefix_prefill_context
-    from furlong.engine.scheduler import PrefillItem
+    from furlong.engine.plan import PrefillItem
     torch.manual_seed(0)
     page, fp8 = 16, kv_dtype == "fp8_e4m3"
     lay = KVLayout(num_layers=1, num_kv_heads=2, page_size=page, head_dim=64, dtype=FP8 if fp8 else dtype, scaled=fp8)

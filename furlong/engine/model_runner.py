@@ -43,7 +43,7 @@ from furlong.engine.kv_cache import DecodeContext, KVLayout, PagedKVCache, Prefi
 from furlong.engine.kv_fp8 import FP8, kv_storage_dtype
 from furlong.engine.prefix_prefill import prefix_prefill_context
 from furlong.engine.sampling import SamplingRows, row_thresholds, sample_reference
-from furlong.engine.scheduler import PrefillItem
+from furlong.engine.plan import PrefillItem
 from furlong.engine.sequence import Sequence, StepOutput
 from furlong.engine.stable_memory import stable_buffer
 

@@ -37,7 +37,7 @@ from furlong.engine.kv_fp8 import dequantize
 from furlong.models.attention import _has_flash
 
 if TYPE_CHECKING:
-    from furlong.engine.scheduler import PrefillItem
+    from furlong.engine.plan import PrefillItem
 
 
 @dataclass

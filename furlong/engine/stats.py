@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from furlong.engine.scheduler import Plan
+    from furlong.engine.plan import Plan
 
 
 @dataclass
