@@ -10,9 +10,10 @@ Against:
                  n = 8: each prompt prefilled once; the target's baseline)
   single_front   the same, one coroutine per sample on the front (n = 1 requests: what a custom
                  generate function with one turn costs; a prompt's n requests share its prefill)
-and multi_turn_join_order: the multi-turn run with decode rows in the order they joined (before the
-scheduler grouped a prompt's rows side by side). Each is run twice; the second run is timed (the first
-captures CUDA graphs). Target: multi_turn / single_engine <= 1.2.
+and two variants of the multi-turn run: multi_turn_unmixed, every prefill a step of its own (before
+mixed steps, scheduler.py), and multi_turn_admit_any, mixed with work admitted however little waits
+(min_admit 1). Each is run twice; the second run is timed (the first captures CUDA graphs). Target:
+multi_turn / single_engine <= 1.2.
 
     python bench/multiturn.py [--workload bench/seed_workload.json] [--output multiturn.json]
     python bench/multiturn.py --tiny          # CPU: a tiny model and 4 x 2 samples (tests/test_bench_multiturn.py)
@@ -37,7 +38,6 @@ if str(ROOT) not in sys.path:
 
 from furlong.engine import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
 from furlong.engine.async_front import AsyncEngine  # noqa: E402
-from furlong.engine.scheduler import Scheduler  # noqa: E402
 
 NUM_TURNS = 3
 
@@ -113,21 +113,19 @@ def run_single_front(engine: Engine, prompts: list[list[int]], lens: list[int], 
     return time.perf_counter() - start
 
 
-def join_order(run):
-    """`run` with decode rows in the order they joined the running set, as the engine ran them before
-    grouping them by prompt (scheduler.schedule): the side-by-side of what the grouping saves."""
-    original = Scheduler.schedule
+def with_scheduler(engine: Engine, run, **attrs):
+    """`run` with these Scheduler attributes set on every session the engine starts meanwhile."""
+    original = engine._start
 
-    def schedule(self):
-        plan = original(self)
-        if plan is not None and plan.decode:
-            plan.decode = list(self.running)
-        return plan
-    Scheduler.schedule = schedule
+    def start() -> None:
+        original()
+        for name, value in attrs.items():
+            setattr(engine.scheduler, name, value)
+    engine._start = start
     try:
         return run()
     finally:
-        Scheduler.schedule = original
+        del engine._start
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -167,11 +165,12 @@ def main(argv: list[str] | None = None) -> dict:
     engine = Engine(model, NullTokenizer(), eos_token_ids=[], config=cfg)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "num_samples": len(lens), "num_generated_tokens": sum(lens), "tool_len": tool_len}
+    multi = lambda: run_multi(engine, prompts, lens, n, tool_len, 1)   # noqa: E731
     for name, run in (("single_engine", lambda: run_single_engine(engine, prompts, lens, n, 1)),
                       ("single_front", lambda: run_single_front(engine, prompts, lens, n, 1)),
-                      ("multi_turn", lambda: run_multi(engine, prompts, lens, n, tool_len, 1)),
-                      ("multi_turn_join_order", lambda: join_order(lambda: run_multi(engine, prompts, lens, n,
-                                                                                     tool_len, 1)))):
+                      ("multi_turn", multi),
+                      ("multi_turn_unmixed", lambda: with_scheduler(engine, multi, mix_prefill=False)),
+                      ("multi_turn_admit_any", lambda: with_scheduler(engine, multi, min_admit=1))):
         run()                                   # warm-up: graph captures of every batch size
         engine.release()
         engine.reset_stats()
@@ -186,6 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
         result[f"{name}_decode_rows"] = stats.num_decode_rows
         result[f"{name}_context_tokens"] = stats.num_context_tokens
         result[f"{name}_prefill_steps"] = stats.num_prefill_steps
+        result[f"{name}_mixed_steps"] = stats.num_mixed_steps         # of those, behind a decode window
         result[f"{name}_decode_windows"] = stats.num_windows
         result[f"{name}_grouped_rows"] = stats.num_grouped_rows      # rows reading their prompt once per group
         result[f"{name}_engine_seconds"] = stats.seconds              # inside Engine.step (the rest: the front)
@@ -193,8 +193,8 @@ def main(argv: list[str] | None = None) -> dict:
         engine.release()
     result["ratio_vs_single_engine"] = result["multi_turn_seconds"] / result["single_engine_seconds"]
     result["ratio_vs_single_front"] = result["multi_turn_seconds"] / result["single_front_seconds"]
-    result["join_order_ratio_vs_single_engine"] = (result["multi_turn_join_order_seconds"]
-                                                   / result["single_engine_seconds"])
+    for name in ("unmixed", "admit_any"):
+        result[f"{name}_ratio_vs_single_engine"] = result[f"multi_turn_{name}_seconds"] / result["single_engine_seconds"]
     result["context_ratio_vs_single_engine"] = (result["multi_turn_context_tokens"]
                                                 / max(result["single_engine_context_tokens"], 1))
     text = json.dumps(result, indent=1)

@@ -59,7 +59,7 @@ def greedy(n):
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(decode_window=1), dict(page_size=4, decode_window=3, max_num_seqs=3),
-                                dict(cpu_kv_tokens=96, page_size=8, decode_window=2)])
+                                dict(cpu_kv_tokens=96, page_size=8, decode_window=2, mix_prefill=False)])
 def test_greedy_equals_no_cache_loop_with_joins_leaves_and_sharing(ckpt, prompts, kw):
     """Different prompt and response lengths, n > 1 (prefix sharing), few running slots (rows join as
     others leave), and a cache so small that sequences get preempted and recomputed."""

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from furlong.engine.cascade import GroupPlan, PrefixGroups, group_arrays
+from furlong.engine.host_copy import to_device
 from furlong.engine.sampling import SamplingRows
 from furlong.engine.sequence import Sequence
 
@@ -50,10 +51,10 @@ def sampling_rows(seqs: list[Sequence], vocab_size: int, positions: list[int], d
                   ) -> SamplingRows:
     """SamplingRows of `seqs` drawing the tokens at `positions` [B] (the prefill's first tokens)."""
     h = host_sampling_rows(seqs, vocab_size)
-    ints = torch.tensor([h.seed32, h.top_k, h.greedy], device=device)
-    floats = torch.tensor([h.inv_temperature, h.top_p], device=device)
+    ints = to_device([h.seed32, h.top_k, h.greedy, positions], torch.int64, device)    # [4, B]
+    floats = to_device([h.inv_temperature, h.top_p], torch.float32, device)            # [2, B]
     return SamplingRows(inv_temperature=floats[0], greedy=ints[2] != 0, top_k=ints[1], top_p=floats[1],
-                        seed32=ints[0], positions=torch.tensor(positions, device=device))
+                        seed32=ints[0], positions=ints[3])
 
 
 @dataclass

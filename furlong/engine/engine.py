@@ -12,8 +12,9 @@ prefills only what is not cached (retained.py); `free` ends a conversation.
 Each `step` is one scheduler plan (scheduler.py) run by the model runner
 (model_runner.py) and handed back to the scheduler (`postprocess`): a packed
 prefill of newly admitted prompts (each prompt once; its n samples fork from it
-and draw their first tokens from its logits) or a decode window of
-`decode_window` tokens per running sequence. Finished sequences leave the
+and draw their first tokens from its logits), a decode window of
+`decode_window` tokens per running sequence, or both in one step (`mix_prefill`:
+the prefill is launched behind the window, one host sync for the two). Finished sequences leave the
 running set at the end of the window they finish in; their extra tokens of that
 window are dropped, so a window of w costs each sequence at most w - 1 wasted
 slots. Where a sequence stops and why: stop.py.
@@ -50,6 +51,7 @@ class EngineConfig:
     use_cuda_graphs: bool = True
     cascade: bool = True              # a group's shared prompt KV read once per decode step (cascade.py)
     share_prompts: bool = True        # same-prompt requests admitted together prefill it once (scheduler.py)
+    mix_prefill: bool = True          # waiting work prefilled behind the running rows' window (scheduler.py)
     cascade_min_prefix: int = 256     # tokens: shorter shared prompts are read by each row (measured no gain)
     compile: bool | None = None       # torch.compile the layer blocks (None: on CUDA)
     cpu_kv_tokens: int = 1 << 16      # KV slots on CPU, where free memory is not measured
@@ -102,7 +104,8 @@ class Engine:
         runner.allocate(num_pages, max_pages)
         self.scheduler = Scheduler(blocks, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.decode_window,
                                    cfg.max_model_len, self.stop_rules, self.stats,
-                                   min_admit=max(1, cfg.max_num_seqs // 16), share_prompts=cfg.share_prompts)
+                                   min_admit=max(1, cfg.max_num_seqs // 16), share_prompts=cfg.share_prompts,
+                                   mix_prefill=cfg.mix_prefill)
 
     def release(self) -> None:
         """Free the KV cache and graphs (nothing may be running)."""
@@ -147,12 +150,11 @@ class Engine:
             if plan is None:
                 done = []
             else:
-                out = self.runner.prefill(plan.prefill) if plan.prefill else self.runner.decode(plan.decode,
-                                                                                                 plan.window)
+                out = self.runner.run(plan)
                 done = [self._completion(s) for s in self.scheduler.postprocess(plan, out)]
         elapsed = time.perf_counter() - started
         self.stats.seconds += elapsed
-        if plan is not None and plan.prefill:
+        if plan is not None and plan.prefill and not plan.decode:
             self.stats.prefill_seconds += elapsed
         return done
 

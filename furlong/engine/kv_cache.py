@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from furlong.engine.cascade import PrefixGroups, cascade_attention_reference
+from furlong.engine.host_copy import to_device
 from furlong.engine.kv_fp8 import SCALE_BYTES, quantize
 from furlong.models.attention import packed_attention
 
@@ -134,8 +135,7 @@ class PagedKVCache:
         """Copy whole pages (every layer, scales too): the forked samples' private last pages."""
         if not src:
             return
-        s = torch.tensor(src, device=self.keys.device)
-        d = torch.tensor(dst, device=self.keys.device)
+        s, d = to_device([src, dst], torch.int64, self.keys.device)     # no sync: a mixed step's prefill
         self.keys[d] = self.keys[s]
         self.values[d] = self.values[s]
         if self.key_scales is not None:

@@ -41,9 +41,10 @@ from furlong.engine.decode_inputs import DecodeInputs, sampling_rows
 from furlong.engine.forward import EngineForward
 from furlong.engine.kv_cache import DecodeContext, KVLayout, PagedKVCache, PrefillContext
 from furlong.engine.kv_fp8 import FP8, kv_storage_dtype
+from furlong.engine.host_copy import to_device
+from furlong.engine.plan import Plan, PrefillItem
 from furlong.engine.prefix_prefill import prefix_prefill_context
 from furlong.engine.sampling import SamplingRows, row_thresholds, sample_reference
-from furlong.engine.plan import PrefillItem
 from furlong.engine.sequence import Sequence, StepOutput
 from furlong.engine.stable_memory import stable_buffer
 
@@ -140,12 +141,32 @@ class ModelRunner:
         return sample_tokens(logits, rows.inv_temperature, rows.greedy, thr, rows.seed32, rows.positions,
                              num_chunks=sample_chunks(logits.shape[0], logits.shape[1], self.num_sms))
 
-    # ---- prefill -------------------------------------------------------------------------------
+    # ---- a step -------------------------------------------------------------------------------
+    def run(self, plan: Plan) -> StepOutput:
+        """The plan's decode window, then its prefill queued behind it on the device (launched without a
+        host sync, host_copy.py, so the host builds the prefill while the window runs), then ONE sync for
+        both: rows in the scheduler's order, decode rows first."""
+        toks, lps, grouped = self._launch_decode(plan.decode, plan.window) if plan.decode else (None, None, 0)
+        first = self._launch_prefill(plan.prefill) if plan.prefill else None
+        out = StepOutput(toks[:, :len(plan.decode)].T.tolist(), lps[:, :len(plan.decode)].T.tolist(),
+                         grouped) if plan.decode else StepOutput([], [])
+        if first is not None:
+            out.tokens += [[t] for t in first[0].tolist()]
+            out.log_probs += [[x] for x in first[1].tolist()]
+        return out
+
     def prefill(self, items: list[PrefillItem]) -> StepOutput:
+        return self.run(Plan(prefill=items, decode=[], window=0))
+
+    def decode(self, seqs: list[Sequence], window: int) -> StepOutput:
+        return self.run(Plan(prefill=[], decode=seqs, window=window))
+
+    # ---- prefill -------------------------------------------------------------------------------
+    def _launch_prefill(self, items: list[PrefillItem]) -> tuple[torch.Tensor, torch.Tensor]:
         """Packed forward over each item's token_ids at positions start.. (slots from its first sequence's
         block table; a continuation's tokens also attend to its cached prefix, prefix_prefill.py), the
         items' page copies, then the first new token of every sequence (an item's n samples share its
-        last position's logits)."""
+        last position's logits): (tokens, log_probs) [N] on the device, nothing waited for."""
         ids, pos, pages, offs, cu = [], [], [], [], [0]
         ps = self.page_size
         for item in items:
@@ -157,7 +178,7 @@ class ModelRunner:
             offs.extend(i % ps for i in range(start, start + n))
             cu.append(cu[-1] + n)
         dev = self.device
-        as_t = lambda x, dt=torch.int64: torch.tensor(x, dtype=dt).to(dev, non_blocking=True)  # noqa: E731
+        as_t = lambda x, dt=torch.int64: to_device(x, dt, dev)  # noqa: E731
         ctx = PrefillContext(self.cache, as_t(pages), as_t(offs), as_t(cu, torch.int32),
                              max(b - a for a, b in zip(cu[:-1], cu[1:])))
         if any(item.start for item in items):
@@ -167,12 +188,11 @@ class ModelRunner:
         copies = [c for item in items for c in item.page_copies]
         self.cache.copy_pages([a for a, _ in copies], [b for _, b in copies])
         seqs = [s for item in items for s in item.sequences]
-        reps = torch.tensor([len(item.sequences) for item in items], device=dev)
+        reps = as_t([len(item.sequences) for item in items])
         logits = logits.repeat_interleave(reps, dim=0, output_size=len(seqs))   # output_size: no sync
         positions = [item.start + len(item.token_ids) for item in items for _ in item.sequences]
         rows = sampling_rows(seqs, self.args.vocab_size, positions, dev)
-        tok, lp = self.sample(logits, rows, truncate=any(s.params.truncates for s in seqs))
-        return StepOutput([[t] for t in tok.tolist()], [[x] for x in lp.tolist()])   # one sync
+        return self.sample(logits, rows, truncate=any(s.params.truncates for s in seqs))
 
     # ---- decode --------------------------------------------------------------------------------
     def _splits(self, units: int, cap: int) -> int:
@@ -227,7 +247,9 @@ class ModelRunner:
             self._group_key = key
         return self._group_plan
 
-    def decode(self, seqs: list[Sequence], window: int) -> StepOutput:
+    def _launch_decode(self, seqs: list[Sequence], window: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The window's steps over `seqs`: (tokens, log_probs) [window, rows] on the device (rows: the
+        padded batch), and the rows read through cascade groups."""
         num = len(seqs)
         rows = self.buckets[bisect.bisect_left(self.buckets, num)] if self.use_cuda_graphs else num
         truncate = any(s.params.truncates for s in seqs)
@@ -248,6 +270,4 @@ class ModelRunner:
                 self._step(rows, truncate, cascade)
             toks[i].copy_(x.out_tokens)
             lps[i].copy_(x.out_log_probs)
-        # The window's one host sync: the scheduler needs the tokens to find finished rows.
-        return StepOutput(toks[:, :num].T.tolist(), lps[:, :num].T.tolist(),
-                          sum(1 for p in groups.prefix_lens if p > 0))
+        return toks, lps, sum(1 for p in groups.prefix_lens if p > 0)

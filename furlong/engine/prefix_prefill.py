@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from furlong.engine.host_copy import to_device
 from furlong.engine.kv_cache import PrefillContext
 from furlong.engine.kv_fp8 import dequantize
 from furlong.models.attention import _has_flash
@@ -98,7 +99,7 @@ def prefix_prefill_context(new: PrefillContext, items: list[PrefillItem], device
         pages.extend(table[i // size] for i in range(total))
         offsets.extend(i % size for i in range(total))
         bounds.append(bounds[-1] + total)
-    as_t = lambda x, dt=torch.int64: torch.tensor(x, dtype=dt).to(device, non_blocking=True)  # noqa: E731
+    as_t = lambda x, dt=torch.int64: to_device(x, dt, device)  # noqa: E731
     query_bounds, new_keys = [0], []
     for item, key_end in zip(items, bounds[1:]):
         query_bounds.append(query_bounds[-1] + len(item.token_ids))

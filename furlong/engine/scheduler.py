@@ -1,13 +1,12 @@
 """Continuous batching: which sequences run the next engine step.
 
-Plain Python over the BlockManager; no tensors. Each `schedule()` returns one
-of two plans, and `postprocess` takes what the model runner sampled for it:
+Plain Python over the BlockManager; no tensors. Each `schedule()` returns a
+plan, and `postprocess` takes what the model runner sampled for it:
 
   Prefill  waiting work admitted in FIFO order while it fits: a new request
-           (its prompt prefilled once, then forked into n samples: their
-           tables are made at admission, the runner copies the last partial
-           page after the prefill) or a
-           preempted sequence (its whole token list re-prefilled). Admission
+           (its prompt prefilled once, then forked into n samples: tables made
+           at admission, the runner copies the last partial page after the
+           prefill) or a preempted sequence (its tokens re-prefilled). Admission
            needs pages for the prompt, the copied last pages of the fork, and
            one decode window of head-room per sample, plus a free running slot
            per sample (`max_num_seqs`, the largest decode batch) and room in
@@ -19,12 +18,20 @@ of two plans, and `postprocess` takes what the model runner sampled for it:
            the host); when pages run out, the most recently admitted sequence
            is preempted: its pages are freed and it waits at the head of the
            queue to be re-prefilled (recompute, as vLLM's default).
+  Mixed    (`mix_prefill`, the default) while rows run, waiting work is admitted
+           after they took their window's pages and prefilled in the same step,
+           behind the window on the device: the host builds and launches the
+           eager prefill while the GPU runs the window's graphs, and one sync
+           reads both (a conversation's next turn no longer stops decode for
+           a step of its own). Admission as for Prefill, in steps that preempt
+           nothing. With nothing running: a Prefill plan.
   postprocess  prefilled sequences join the running set; each row keeps its
            new tokens up to its first stop (stop.py); finished rows leave and
            free their pages (a `retain_kv` request's are parked for its next
            turn instead, retained.py); the step is counted in the engine's stats.
 A `continues` request waits as a sequence that holds its cached prefix's pages
-and prefills the rest; parked pages are freed before anything is preempted.
+and prefills the rest. Pages run short: parked pages are freed first, then
+waiting continuations' prefixes (recomputed when admitted), then rows preempted.
 Shared prompts (`share_prompts`): new requests with the same prompt admitted in one step (the n
 conversations of a custom-generate group each submit the group's prompt as their first turn) are
 prefilled as ONE item whose sequences fork its pages, as a request's n samples do; the joiners cost
@@ -47,7 +54,7 @@ from furlong.engine.stop import StopRules
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_prefill_tokens: int, window: int,
                  max_model_len: int, stop_rules: StopRules, stats: EngineStats, min_admit: int = 1,
-                 share_prompts: bool = True):
+                 share_prompts: bool = True, mix_prefill: bool = True):
         self.blocks = blocks
         self.stop_rules = stop_rules
         self.stats = stats                        # counted into; the engine owns and resets it
@@ -57,6 +64,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.min_admit = min_admit
         self.share_prompts = share_prompts
+        self.mix_prefill = mix_prefill
         self.waiting: deque[Request | Sequence] = deque()
         self.running: list[Sequence] = []
         self.active_ids: dict[int, int] = {}      # request id -> samples not yet finished
@@ -66,24 +74,17 @@ class Scheduler:
     def add(self, request: Request) -> None:
         if request.request_id in self.active_ids:
             raise ValueError(f"request id {request.request_id} is already in the engine")
-        if request.sample_max_new_tokens is not None and len(request.sample_max_new_tokens) != request.n:
-            raise ValueError(f"request {request.request_id}: sample_max_new_tokens needs n={request.n} entries")
+        request.check()
         if request.n > self.max_num_seqs:
             raise ValueError(f"request {request.request_id}: n={request.n} samples exceed --rollout-max-num-seqs "
                              f"{self.max_num_seqs}")
         need = len(request.prompt_ids) + max(request.sample_max_new_tokens or [request.params.max_new_tokens])
-        if request.resume_ids and (request.n != 1 or len(request.resume_log_probs) != len(request.resume_ids)
-                                   or len(request.resume_ids) >= need - len(request.prompt_ids)):
-            raise ValueError(f"request {request.request_id}: resume_ids need n = 1, a log-prob each and fewer "
-                             f"tokens than max_new_tokens")
         if need > self.max_model_len:
             raise ValueError(f"request {request.request_id}: prompt {len(request.prompt_ids)} + max_new_tokens "
                              f"{request.params.max_new_tokens} exceeds the engine's max length {self.max_model_len}")
         if self._pages_needed(request) > self.blocks.num_blocks - 1:
             raise ValueError(f"request {request.request_id}: needs {self._pages_needed(request)} KV pages, the cache "
                              f"has {self.blocks.num_blocks - 1} (raise --rollout-kv-fraction)")
-        if (request.retain_kv or request.continues is not None) and request.n != 1:
-            raise ValueError(f"request {request.request_id}: retain_kv and continues need n = 1, got {request.n}")
         self.waiting.append(request if request.continues is None else self.retained.continuation(request))
         self.active_ids[request.request_id] = request.n
 
@@ -168,7 +169,7 @@ class Scheduler:
         return out
 
     def schedule(self) -> Plan | None:
-        if self.waiting:
+        if self.waiting and not (self.mix_prefill and self.running):
             self._make_room(self._pages_needed(self.waiting[0]))
             items = self._admit()
             if items:
@@ -180,38 +181,49 @@ class Scheduler:
         remaining = max(s.max_new_tokens - s.num_generated for s in self.running)
         window = max(1, min(self.window, remaining))
         # Pages for the window: writes land at positions num_tokens-1 .. num_tokens-2+window.
-        i = 0
+        i, preempted = 0, self.stats.num_preemptions
         while i < len(self.running):
             seq = self.running[i]
             if self.blocks.can_grow(seq.block_table, seq.num_tokens - 1 + window):
                 self.blocks.grow(seq.block_table, seq.num_tokens - 1 + window)
                 i += 1
                 continue
-            if self.retained.evict_oldest():
+            # parked pages first, then waiting continuations' cached prefixes, then the newest running row
+            if self.retained.evict_oldest() or self._drop_waiting_prefix(keep_first=False):
                 continue
             victim = self.running[-1]
             if victim is seq and i == 0:
                 raise RuntimeError(f"scheduler: one sequence ({seq.num_tokens} tokens) does not fit the KV cache")
             self.preempt(victim)
+        mix = self.mix_prefill and self.waiting and self.stats.num_preemptions == preempted
+        if mix:     # admitted after the running rows took their window's pages: new work never preempts older
+            self._make_room(self._pages_needed(self.waiting[0]))
+        prefill = self._admit() if mix else []
         used = self.blocks.num_used / max(self.blocks.num_blocks - 1, 1)
-        # Rows of one prompt group side by side (a stable sort: admission order within a group). The decode
-        # kernel's programs run in row order, so a group's shared prompt pages, read by its first row, are
-        # still in L2 for the others; continued conversations rejoin `running` in the order their turns
-        # ended, scattering their groups (a short prompt's groups are not cascade-read, cascade.py).
+        # A prompt group's rows side by side (stable: admission order within it): the decode kernel runs rows
+        # in order, so the group's prompt pages stay in L2 (continuations rejoin scattered; cascade.py).
         rows = sorted(self.running, key=lambda s: s.fork_group)
-        return Plan(prefill=[], decode=rows, window=window, kv_used=used)
+        return Plan(prefill=prefill, decode=rows, window=window, kv_used=used)
 
     def _make_room(self, need: int) -> None:
-        """Free pages for the first waiting item: parked pages first; with nothing running (no page
-        will come back otherwise), then the cached prefixes of later waiting continuations (recomputed)."""
+        """Free pages for the first waiting item: parked pages; with nothing running (no page will come back
+        otherwise), the cached prefixes of later waiting continuations."""
         while self.blocks.num_free < need and self.retained.evict_oldest():
             pass
+        while self.blocks.num_free < need and not self.running and self._drop_waiting_prefix(keep_first=True):
+            pass
+
+    def _drop_waiting_prefix(self, keep_first: bool) -> bool:
+        """Free the cached prefix of the latest waiting continuation holding one (it is recomputed when
+        admitted); False if none (`keep_first`: the head of the queue keeps its own)."""
         for item in reversed(self.waiting):
-            if self.blocks.num_free >= need or self.running or item is self.waiting[0]:
-                break
+            if keep_first and item is self.waiting[0]:
+                return False
             if isinstance(item, Sequence) and item.block_table:
                 self.blocks.release(item.block_table)
                 item.num_cached, item.shared_prefix = 0, 0
+                return True
+        return False
 
     def start(self, seqs: list[Sequence]) -> None:
         """Prefilled sequences join the running set."""
@@ -229,12 +241,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def postprocess(self, plan: Plan, out: StepOutput) -> list[Sequence]:
-        """Take the plan's sampled tokens (a row per sequence, in plan order); returns the sequences
-        that finished in this step."""
-        seqs = [s for item in plan.prefill for s in item.sequences] if plan.prefill else plan.decode
-        if plan.prefill:
-            self.start(seqs)
+        """Take the plan's sampled tokens (a row per sequence: the decode rows, then the prefilled
+        sequences); returns the sequences that finished in this step."""
         self.stats.count_step(plan, out.num_grouped_rows)   # before the rows grow: their context as attended
+        prefilled = [s for item in plan.prefill for s in item.sequences]
+        self.start(prefilled)
+        seqs = plan.decode + prefilled
         done, kept = [], 0
         for seq, toks, lps in zip(seqs, out.tokens, out.log_probs):
             before = seq.num_generated
@@ -258,11 +270,9 @@ class Scheduler:
         self._retire(seq.request.request_id)
 
     def _retire(self, request_id: int, num: int = 1) -> None:
-        left = self.active_ids.get(request_id, 0) - num
+        left = self.active_ids.pop(request_id, 0) - num
         if left > 0:
             self.active_ids[request_id] = left
-        else:
-            self.active_ids.pop(request_id, None)
 
     def abort(self, request_ids: set[int]) -> list[Sequence]:
         """Drop every waiting or running sequence of these requests (and their parked pages); returns the

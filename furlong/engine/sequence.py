@@ -48,6 +48,19 @@ class Request:
         """Tokens a sample holds when admitted: prompt plus resumed response."""
         return len(self.prompt_ids) + len(self.resume_ids)
 
+    def check(self) -> None:
+        """ValueError naming the request where its own fields disagree (the engine's limits: Scheduler.add)."""
+        rid = self.request_id
+        if self.sample_max_new_tokens is not None and len(self.sample_max_new_tokens) != self.n:
+            raise ValueError(f"request {rid}: sample_max_new_tokens needs n={self.n} entries")
+        most = max(self.sample_max_new_tokens or [self.params.max_new_tokens])
+        if self.resume_ids and (self.n != 1 or len(self.resume_log_probs) != len(self.resume_ids)
+                                or len(self.resume_ids) >= most):
+            raise ValueError(f"request {rid}: resume_ids need n = 1, a log-prob each and fewer tokens than "
+                             f"max_new_tokens")
+        if (self.retain_kv or self.continues is not None) and self.n != 1:
+            raise ValueError(f"request {rid}: retain_kv and continues need n = 1, got {self.n}")
+
 
 @dataclass
 class Completion:

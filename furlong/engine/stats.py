@@ -11,7 +11,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class EngineStats:
-    num_prefill_steps: int = 0
+    num_prefill_steps: int = 0        # steps that prefilled (alone, or mixed behind a decode window)
+    num_mixed_steps: int = 0          # of those, run behind a decode window (scheduler.py, Mixed)
     num_prefill_tokens: int = 0
     num_cached_tokens: int = 0        # continuations' prompt tokens read from retained KV, not prefilled
     num_decode_steps: int = 0
@@ -24,8 +25,9 @@ class EngineStats:
     kv_used_sum: float = 0.0          # sum over decode windows of used/total pages
     num_windows: int = 0
     seconds: float = 0.0
-    prefill_seconds: float = 0.0      # of `seconds`, the prefill steps' (each step ends in a host sync for
-                                      # its sampled tokens, so a step's wall time is its device time too)
+    prefill_seconds: float = 0.0      # of `seconds`, the prefill-only steps' (each step ends in a host sync
+                                      # for its sampled tokens, so a step's wall time is its device time too;
+                                      # a mixed step's prefill is not timed apart from its window)
 
     @property
     def mean_batch(self) -> float:
@@ -48,8 +50,10 @@ class EngineStats:
         """One engine step's counts (generated tokens are counted after the stop rules, by the scheduler)."""
         if plan.prefill:
             self.num_prefill_steps += 1
+            self.num_mixed_steps += bool(plan.decode)
             self.num_prefill_tokens += sum(len(item.token_ids) for item in plan.prefill)
             self.num_cached_tokens += sum(item.start for item in plan.prefill)
+        if not plan.decode:
             return
         w = plan.window
         self.kv_used_sum += plan.kv_used
