@@ -39,9 +39,9 @@ import torch
 from furlong.engine.cascade import GroupPlan, cascade_members, no_groups, plan_groups
 from furlong.engine.decode_inputs import DecodeInputs, sampling_rows
 from furlong.engine.forward import EngineForward
+from furlong.engine.host_copy import to_device
 from furlong.engine.kv_cache import DecodeContext, KVLayout, PagedKVCache, PrefillContext
 from furlong.engine.kv_fp8 import FP8, kv_storage_dtype
-from furlong.engine.host_copy import to_device
 from furlong.engine.plan import Plan, PrefillItem
 from furlong.engine.prefix_prefill import prefix_prefill_context
 from furlong.engine.sampling import SamplingRows, row_thresholds, sample_reference
@@ -148,6 +148,7 @@ class ModelRunner:
         both: rows in the scheduler's order, decode rows first."""
         toks, lps, grouped = self._launch_decode(plan.decode, plan.window) if plan.decode else (None, None, 0)
         first = self._launch_prefill(plan.prefill) if plan.prefill else None
+        # the step's one host sync: the scheduler needs the tokens to find finished rows
         out = StepOutput(toks[:, :len(plan.decode)].T.tolist(), lps[:, :len(plan.decode)].T.tolist(),
                          grouped) if plan.decode else StepOutput([], [])
         if first is not None:
