@@ -76,6 +76,8 @@ class RolloutFlags:
     rollout_decode_window: int = flag(16, "engine: decode steps between host syncs (finished rows leave then)")
     rollout_enforce_eager: bool = flag(False, "engine: no CUDA graphs (debugging)")
     rollout_no_cascade: bool = flag(False, "engine: each sample reads its prompt's KV itself, not once per group")
+    rollout_no_mix_prefill: bool = flag(False, "engine: work arriving while rows decode is prefilled in a step of "
+                                        "its own, not behind their decode window")
     rollout_kv_dtype: str = flag("auto", "engine KV cache: auto (the model's dtype) | bf16 | fp8_e4m3 (half the bytes: "
                                  "~2x the tokens and faster long decodes; one scale per token and KV head)",
                                  aliases=["--sglang-kv-cache-dtype"])

@@ -154,6 +154,14 @@ def test_admission_comes_after_the_running_rows_took_their_pages(num_pages, admi
     assert s.stats.num_mixed_steps == admitted and s.stats.num_decode_steps == 4
 
 
+@pytest.mark.parametrize("flags,mix", [([], True), (["--rollout-no-mix-prefill"], False)])
+def test_the_flag_reaches_the_engine(flags, mix):
+    from furlong.cli import parse_config
+    from furlong.config_map import engine_config
+    cfg = parse_config(["--hf-checkpoint", "c", "--prompt-data", "d", "--rm-type", "math", *flags])
+    assert engine_config(cfg, max_model_len=64).mix_prefill is mix
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @torch.inference_mode()
