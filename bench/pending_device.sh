@@ -6,7 +6,8 @@
 #        session 9-10 merges, LoRA applied in the engine's forward vs merged
 # call2  Qwen3-8B full-parameter with --fsdp-cpu-offload (the fused CPU AdamW); the KL reference resident
 #        vs in CPU memory at the 4B shape
-# call3  multi-turn vs single turn (issue 22's <= 1.2x), the GPU tool-use demo
+# call3  the mixed-step GPU test, multi-turn vs single turn (issue 22's <= 1.2x: mixed, unmixed and
+#        min_admit 1 side by side), the GPU tool-use demo
 # call4  the long RL step with and without --partial-rollout, 2 steps each, on 16 prompts
 #        (bench/long_rlstep_workload.json: the full long step's 4 steps do not fit one call); Qwen3-1.7B
 # call5  Qwen3-4B LoRA; where the long workload's train step goes (issue 21: attention's FLOPs, by arithmetic)
@@ -26,9 +27,11 @@ call1)
 call2)
     bash bench/bigger_models.sh 8b-offload 4b-ref ;;
 call3)
+    timeout -k 10 100 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=90 tests/test_engine_mixed.py \
+        >"$OUT/mixed_gpu.log" 2>&1; echo "== mixed-step GPU test: exit $?"; tail -2 "$OUT/mixed_gpu.log"
     timeout -k 10 150 python3 bench/multiturn.py --output "$OUT/multiturn.json" >"$OUT/multiturn.log" 2>&1
     echo "== multiturn: exit $?"; grep ratio "$OUT/multiturn.json"
-    timeout -k 10 380 python3 -m furlong demo --task calculator --device cuda --output-dir "$OUT/tool_demo_gpu" \
+    timeout -k 10 280 python3 -m furlong demo --task calculator --device cuda --output-dir "$OUT/tool_demo_gpu" \
         >"$OUT/tool_demo_gpu.log" 2>&1
     echo "== tool demo: exit $?"; tail -5 "$OUT/tool_demo_gpu.log" ;;
 call4)
