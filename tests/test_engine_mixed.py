@@ -16,6 +16,7 @@ from furlong.engine.sequence import StepOutput
 from furlong.engine.stats import EngineStats
 from furlong.engine.stop import StopRules
 from furlong.models.hf_io import load_pretrained
+from furlong.rollout.rollout_metrics import engine_metrics
 from tiny_checkpoints import write_tiny_checkpoint
 
 
@@ -61,6 +62,9 @@ def test_mixed_steps_sample_what_separate_steps_sample(ckpt, temperature):
     got, want = staggered(mixed, temperature), staggered(apart, temperature)
     assert mixed.stats.num_mixed_steps > 0 and apart.stats.num_mixed_steps == 0
     assert mixed.stats.num_prefill_steps == apart.stats.num_prefill_steps    # the same admissions, just mixed
+    logged = engine_metrics(mixed.stats)
+    assert logged["perf/rollout_num_mixed_steps"] == mixed.stats.num_mixed_steps
+    assert logged["perf/rollout_num_prefill_steps"] == mixed.stats.num_prefill_steps
     assert got.keys() == want.keys()
     for key in want:
         assert got[key][0] == want[key][0], key       # seeded per (sequence, position): batch-independent

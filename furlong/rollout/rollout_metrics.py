@@ -72,6 +72,8 @@ def engine_metrics(stats: Any) -> dict[str, float]:
         "perf/rollout_kv_utilization": stats.kv_utilization,
         "perf/rollout_cascade_row_fraction": stats.grouped_fraction,
         "perf/rollout_num_preemptions": float(stats.num_preemptions),
+        "perf/rollout_num_prefill_steps": float(stats.num_prefill_steps),
+        "perf/rollout_num_mixed_steps": float(stats.num_mixed_steps),   # of those, behind a decode window
     }
 
 
