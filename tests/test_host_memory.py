@@ -58,3 +58,56 @@ def test_cli_stops_before_anything_is_written(tmp_path, capsys, monkeypatch):
     monkeypatch.undo()
     code, _, err = run_cli(argv(assets, out, "--fsdp-cpu-offload"), capsys)
     assert code == 0, err
+
+
+def test_ppo_critic_counts_on_the_host(monkeypatch):
+    """A ppo run's critic is offloaded with the actor's flags: its decoder without lm_head plus the value
+    head count at the same bytes per parameter, so a host that holds the actor alone is refused."""
+    import dataclasses
+    import math
+
+    from furlong.config import Config
+    from furlong.models.hf_config import ModelArgs
+    from furlong.models.hf_io import param_shapes
+    args = ModelArgs(model_type="qwen3", vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True)
+    shapes = param_shapes(args)
+    n = sum(math.prod(s) for s in shapes.values())
+    critic = n - math.prod(shapes["lm_head.weight"]) + 64 + 1
+    assert host_memory.critic_num_params(args) == critic
+    for moments, per in ((False, 16), (True, 8)):
+        cfg = Config()
+        cfg.parallel = dataclasses.replace(cfg.parallel, fsdp_cpu_offload=not moments, optimizer_cpu_offload=moments)
+        actor = offload_host_bytes(n, n, 2, 0, 1, 1, per)
+        both = actor + offload_host_bytes(critic, critic, 0, 0, 1, 1, per)
+        monkeypatch.setattr(host_memory, "mem_available_bytes", lambda meminfo="/proc/meminfo": both)
+        host_memory.check_offload_host_memory(cfg, args, 1, False, 2, args)      # exactly fits
+        monkeypatch.setattr(host_memory, "mem_available_bytes", lambda meminfo="/proc/meminfo": actor + 1)
+        host_memory.check_offload_host_memory(cfg, args, 1, False, 2)             # no critic: fits
+        flag = "--optimizer-cpu-offload" if moments else "--fsdp-cpu-offload"
+        with pytest.raises(ValueError, match=f"^{flag}: the offloaded training state of "):
+            host_memory.check_offload_host_memory(cfg, args, 1, False, 2, args)
+
+
+def test_ppo_cli_checks_the_critic(tmp_path, capsys, monkeypatch):
+    """`furlong train --advantage-estimator ppo --fsdp-cpu-offload` passes the critic's decoder to the
+    check (its parameters counted beside the actor's), before anything is written."""
+    from cli_helpers import run_cli
+    from test_train_flags_cli import argv, tiny_assets
+
+    from furlong.models.hf_io import check_pretrained
+    assets = tiny_assets(tmp_path / "assets")
+    args = check_pretrained(assets / "ckpt")[0]
+    seen = []
+
+    def record(needed, available, num_params, lora, flag="--fsdp-cpu-offload"):
+        seen.append(num_params)
+        raise ValueError(f"{flag}: recorded")
+    monkeypatch.setattr(host_memory, "check_offload_fits", record)
+    out = tmp_path / "run"
+    code, _, err = run_cli(argv(assets, out, "--fsdp-cpu-offload", "--advantage-estimator", "ppo"), capsys)
+    assert code == 2 and err.strip() == "furlong: error: --fsdp-cpu-offload: recorded" and not out.exists()
+    import math
+
+    from furlong.models.hf_io import param_shapes
+    assert seen == [sum(math.prod(s) for s in param_shapes(args).values()) + host_memory.critic_num_params(args)]

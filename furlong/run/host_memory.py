@@ -12,6 +12,9 @@ sharded the same way (Qwen3-8B alone: 66 GB); masters, gradients and a LoRA base
 reference counts on the host unless --ref-placement gpu (auto may place it either side; the check takes
 the larger).
 
+A ppo run's critic is built with the actor's sharding flags, so under either flag its state is offloaded
+the same way: its decoder (no lm_head) and value head, all trained in fp32, at the same bytes per parameter.
+
 Why a check: past what the host has, the kernel ends the process with SIGKILL (the Qwen3-8B shape on a
 128 GiB device machine, 2026-12-05: exit 137 about two minutes in, before the first step, no message).
 A run that would need more than MemAvailable stops before anything is built, with one line naming the
@@ -69,12 +72,23 @@ def check_offload_fits(needed: int, available: int | None, num_params: int, lora
                      f"{hint}")
 
 
+def critic_num_params(args: ModelArgs) -> int:
+    """Parameters of a ppo critic built on the decoder `args` describe: its lm_head is dropped
+    (models/value_model.py) and a value head of hidden + 1 added."""
+    import math
+
+    from furlong.models.hf_io import param_shapes
+    shapes = param_shapes(args)
+    shapes.pop("lm_head.weight", None)
+    return sum(math.prod(s) for s in shapes.values()) + args.hidden_size + 1
+
+
 def check_offload_host_memory(cfg: Config, args: ModelArgs, world_size: int, with_reference: bool,
-                              compute_bytes: int) -> None:
+                              compute_bytes: int, critic_args: ModelArgs | None = None) -> None:
     """For a training run under --fsdp-cpu-offload or --optimizer-cpu-offload: ValueError (one line naming the
     flag) when this host's ranks would need more CPU memory than it has available (module docstring);
-    compute_bytes: the compute dtype's size (LoRA's frozen base, a CPU reference). Nothing is allocated
-    (meta-device shapes)."""
+    compute_bytes: the compute dtype's size (LoRA's frozen base, a CPU reference); critic_args: a ppo
+    run's critic decoder (None: no critic). Nothing is allocated (meta-device shapes)."""
     import math
 
     from furlong.config_map import lora_config
@@ -88,10 +102,13 @@ def check_offload_host_memory(cfg: Config, args: ModelArgs, world_size: int, wit
     # the offloaded actor's reference sits in CPU memory unless --ref-placement gpu keeps it resident
     ref_bytes = compute_bytes if with_reference and cfg.ref.ref_placement != "gpu" else 0
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))   # torchrun's; one host when unset
-    if cfg.parallel.optimizer_cpu_offload:   # the moments only: masters, gradients and a LoRA base stay on the GPU
-        needed = offload_host_bytes(num_params, num_trainable, 0, ref_bytes, world_size, local, MOMENT_BYTES)
-        flag = "--optimizer-cpu-offload"
-    else:
-        needed = offload_host_bytes(num_params, num_trainable, compute_bytes, ref_bytes, world_size, local)
-        flag = "--fsdp-cpu-offload"
+    # the moments only under --optimizer-cpu-offload: masters, gradients and a LoRA base stay on the GPU
+    moments = cfg.parallel.optimizer_cpu_offload
+    trained, frozen = (MOMENT_BYTES, 0) if moments else (TRAINED_BYTES, compute_bytes)
+    flag = "--optimizer-cpu-offload" if moments else "--fsdp-cpu-offload"
+    needed = offload_host_bytes(num_params, num_trainable, frozen, ref_bytes, world_size, local, trained)
+    if critic_args is not None:   # full-parameter whatever the actor's LoRA flags (trainer/critic.py)
+        num_critic = critic_num_params(critic_args)
+        needed += offload_host_bytes(num_critic, num_critic, 0, 0, world_size, local, trained)
+        num_params += num_critic
     check_offload_fits(needed, mem_available_bytes(), num_params, spec is not None, flag)
