@@ -170,8 +170,7 @@ class Scheduler:
 
     def schedule(self) -> Plan | None:
         if self.waiting and not (self.mix_prefill and self.running):
-            self._make_room(self._pages_needed(self.waiting[0]))
-            items = self._admit()
+            items = self._admit_waiting()
             if items:
                 return Plan(prefill=items, decode=[], window=0)
             if not self.running:
@@ -195,15 +194,19 @@ class Scheduler:
             if victim is seq and i == 0:
                 raise RuntimeError(f"scheduler: one sequence ({seq.num_tokens} tokens) does not fit the KV cache")
             self.preempt(victim)
+        # admitted after the running rows took their window's pages: new work never preempts older
         mix = self.mix_prefill and self.waiting and self.stats.num_preemptions == preempted
-        if mix:     # admitted after the running rows took their window's pages: new work never preempts older
-            self._make_room(self._pages_needed(self.waiting[0]))
-        prefill = self._admit() if mix else []
+        prefill = self._admit_waiting() if mix else []
         used = self.blocks.num_used / max(self.blocks.num_blocks - 1, 1)
         # A prompt group's rows side by side (stable: admission order within it): the decode kernel runs rows
         # in order, so the group's prompt pages stay in L2 (continuations rejoin scattered; cascade.py).
         rows = sorted(self.running, key=lambda s: s.fork_group)
         return Plan(prefill=prefill, decode=rows, window=window, kv_used=used)
+
+    def _admit_waiting(self) -> list[PrefillItem]:
+        """Room for the head of the queue, then admission (the prefill-only and the mixed step alike)."""
+        self._make_room(self._pages_needed(self.waiting[0]))
+        return self._admit()
 
     def _make_room(self, need: int) -> None:
         """Free pages for the first waiting item: parked pages; with nothing running (no page will come back
