@@ -8,7 +8,7 @@
 #        vs in CPU memory at the 4B shape
 # call3  the mixed-step GPU test, multi-turn vs single turn (issue 22's <= 1.2x: mixed, unmixed and
 #        min_admit 1 side by side), the GPU tool-use demo
-# call4  the long RL step with and without --partial-rollout, 2 steps each, on 16 prompts
+# call4  the long RL step with --partial-rollout (2 steps) and its step 2 again without, on 16 prompts
 #        (bench/long_rlstep_workload.json: the full long step's 4 steps do not fit one call); Qwen3-1.7B
 # call5  Qwen3-4B LoRA; where the long workload's train step goes (issue 21: attention's FLOPs, by arithmetic)
 # Everything lands in $OUT (logs, JSON, plots); each piece is bounded by `timeout`.

@@ -37,23 +37,24 @@ def test_rlstep_runs_both_modes_side_by_side(tmp_path, capsys):
     r = rep["result"]
     k = r["num_steps"]
     assert k == 3 and r["rollout_batch_size"] == 3 and r["over_sampling_batch_size"] == 6
+    assert len(r["partial_step_s"]) == k and len(r["plain_step_s"]) == k - 1
     for mode in ("plain", "partial"):
-        assert len(r[f"{mode}_step_s"]) == k and all(t > 0 for t in r[f"{mode}_step_s"])
+        assert all(t > 0 for t in r[f"{mode}_step_s"])
         assert all(a <= s for a, s in zip(r[f"{mode}_rollout_s"], r[f"{mode}_step_s"]))
         assert all(t > 0 for t in r[f"{mode}_train_s"])
-    # step 1 is the same rollout in both modes up to its end (abort vs pause): the same work and batch
-    assert r["plain_generated_tokens"][0] == r["partial_generated_tokens"][0]
-    assert r["plain_trained_tokens"][0] == r["partial_trained_tokens"][0]
-    assert r["partial_paused_samples"][0] > 0 and r["partial_aborted_groups"][0] < r["plain_aborted_groups"][0]
-    # the buffer (at most 6 groups here) is drawn whole by the next step
+    # partial step 1 pauses what plain would abort; the buffer (at most 6 groups) is drawn whole next step
+    assert r["partial_paused_samples"][0] > 0
     assert r["partial_resumed_samples"][1:] == r["partial_paused_samples"][:-1]
     assert r["partial_resumed_samples"][0] == 0 and r["partial_offpolicy_token_frac"][0] == 0
     assert max(r["partial_offpolicy_token_frac"]) > 0
+    # plain steps drop the buffer and abort: nothing resumed, groups aborted
+    assert all(a > 0 for a in r["plain_aborted_groups"])
     after = lambda xs: sum(xs[1:]) / (k - 1)   # noqa: E731
-    assert r["plain_step_s_after_first"] == pytest.approx(after(r["plain_step_s"]))
-    assert r["partial_speedup"] == pytest.approx(after(r["plain_step_s"]) / after(r["partial_step_s"]))
+    assert r["plain_step_s_after_first"] == pytest.approx(sum(r["plain_step_s"]) / (k - 1))
+    assert r["partial_speedup"] == pytest.approx(r["plain_step_s_after_first"] / after(r["partial_step_s"]))
     printed = capsys.readouterr().out
-    assert "rlstep partial step 3" in printed and "partial_speedup" in printed
+    assert "rlstep partial step 3" in printed and "rlstep plain step 3" in printed and "partial_speedup" in printed
+    assert "rlstep plain step 1" not in printed
 
 
 def test_rlstep_pool_of_the_long_workload():

@@ -160,7 +160,8 @@ class TrlResult:
 
 @dataclass
 class RlStepResult:
-    """The rlstep part: K real RL steps without (plain_*) and with (partial_*) --partial-rollout; lists are [K]."""
+    """The rlstep part: K real RL steps with --partial-rollout (partial_*, lists [K]), then steps 2..K again
+    without it (plain_*, lists [K - 1]) on the same warm engine and actor (bench/rl_step_part.py)."""
     num_steps: int
     rollout_batch_size: int          # groups kept per step
     over_sampling_batch_size: int    # groups drawn per submission
@@ -180,7 +181,7 @@ class RlStepResult:
     partial_resumed_samples: list[int]   # samples of paused groups continued in the step
     partial_paused_samples: list[int]    # samples paused at the step's end
     partial_offpolicy_token_frac: list[float]   # kept response tokens made by an earlier step's weights
-    plain_step_s_after_first: float | None      # mean over steps 2..K (None: K = 1)
+    plain_step_s_after_first: float | None      # mean over plain steps 2..K (None: K = 1)
     partial_step_s_after_first: float | None
     partial_speedup: float | None               # plain / partial, steps 2..K
     note: str

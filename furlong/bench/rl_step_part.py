@@ -1,7 +1,8 @@
 """The `rlstep` bench part: the real RL step as `furlong train` takes it, without and with --partial-rollout.
 
-Each mode runs `rl_step_probe.num_steps` steps of run/step.py's `rl_step` from the same seeded weights
-and the same prompt sequence: the streaming rollout (over-sampling by `over_sampling_batch_size`
+K = `rl_step_probe.num_steps` steps of run/step.py's `rl_step` run with --partial-rollout, then steps
+2..K again without it, on the same warm engine and actor and from the prompt position where partial
+step 2 began (`_run_both`): the streaming rollout (over-sampling by `over_sampling_batch_size`
 groups, the zero-std dynamic filter, abort or pause once `rollout_batch_size` groups are kept),
 shaping, advantages, the actor's train step and the weight sync into the engine. The engine and the
 actor are built from the workload as run set-up builds them (engine_config, the memory plan's budget).
@@ -14,8 +15,10 @@ from its prompt; a resumed sample keeps its forced total. Rewards are synthetic 
 (prompt, sample): every `zero_std_every`-th prompt's group gets equal rewards, so the filter drops
 it; the others vary within the group.
 
-The first step of a mode pays its compiles and CUDA-graph captures; partial rollouts pay off only
-from the 2nd step on (paused groups resume with a head start), so the summary compares steps 2..K.
+Step 1 pays the compiles and CUDA-graph captures, and is the same rollout in both modes up to its
+end (abort vs pause), so it runs once; partial rollouts pay off only from the 2nd step on (paused
+groups resume with a head start), so the summary compares steps 2..K, and a call saves a warm-up
+and a step against running each mode from scratch (the long workload's steps take minutes).
 Each step prints a line as it ends, so a run cut by the time guard still shows what it measured.
 """
 from __future__ import annotations
@@ -91,38 +94,12 @@ def synthetic_reward(every: int):
     return reward
 
 
-def _run_mode(b: Bench, partial: bool) -> dict[str, list[Any]]:
-    from furlong.config_map import engine_config, run_config
-    from furlong.engine import Engine
-    from furlong.rollout.filters import load_filter
-    from furlong.rollout.partial import PausedGroups
-    from furlong.run.setup import RunParts
+def _run_steps(parts: Any, b: Bench, name: str, first_id: int, num: int) -> dict[str, list[Any]]:
+    """`num` steps of rl_step from rollout id `first_id`, each printed as it ends."""
     from furlong.run.step import StageClock, rl_step
-    from furlong.trainer.mfu import model_flops_per_token
-    w = b.w
-    b.release_actor()                          # a fresh, seeded actor: both modes start from the same weights
-    actor = b.actor()
-    cfg = b.config()
-    r = cfg.rollout
-    r.num_rollout, r.over_sampling_batch_size, r.dynamic_sampling_filter_path = (w.rlstep_num_steps,
-                                                                                 w.rlstep_over_sampling, FILTER)
-    r.partial_rollout, r.rollout_kv_dtype = partial, b.kv_dtype
-    config = run_config(cfg)
-    if b.plan is not None:
-        config = config.with_max_tokens(b.plan.max_tokens_per_gpu)
-    prompts, forced = prompt_pool(b)
-    model = b.random_model().to(b.dtype).eval()   # the engine's copy of the same initial weights
-    engine = Engine(model, NullTokenizer(), [], engine_config(cfg, max(w.prompt_lens) + max(w.response_lens)))
-    # RunParts as run set-up makes it, less what rl_step never reads (outputs, eval sets)
-    parts = RunParts(config=config, ctx=b.ctx, output_dir=Path("."), logger=None, dataset=PromptPool(prompts),
-                     eval_sets=[], engine=ForcedLengths(engine, forced), reward_fn=synthetic_reward(w.rlstep_zero_std_every),
-                     filter_fn=load_filter(FILTER), actor=actor, start_rollout=0,
-                     train_flops_per_token=model_flops_per_token(actor.model),
-                     paused=PausedGroups() if partial else None)
     out: dict[str, list[Any]] = {k: [] for k in ("step_s", "rollout_s", "train_s", "generated", "trained", "aborted",
                                                  "resumed", "paused", "offpolicy")}
-    name = "partial" if partial else "plain"
-    for rollout_id in range(w.rlstep_num_steps):
+    for rollout_id in range(first_id, first_id + num):
         clock = StageClock()
         step = rl_step(parts, rollout_id, clock)
         sync(b.device)
@@ -136,22 +113,67 @@ def _run_mode(b: Bench, partial: bool) -> dict[str, list[Any]]:
         print(f"[bench] rlstep {name} step {rollout_id + 1}: {vals[0]:.2f}s (rollout {vals[1]:.2f}s, train "
               f"{vals[2]:.2f}s), generated {vals[3]} tokens, trained {vals[4]}, aborted groups {vals[5]}, resumed "
               f"{vals[6]:.0f} samples, paused {vals[7]:.0f}", flush=True)
+    return out
+
+
+def _run_both(b: Bench) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+    """K steps with --partial-rollout, then K - 1 plain steps (rollout ids 2..K again) on the same warm engine
+    and actor, from the prompt position partial step 2 started at and with the paused groups dropped: step 1
+    is the same rollout in both modes up to its end (abort vs pause), so it runs once, and both modes' steps
+    2 draw the same new prompts. With forced lengths and synthetic rewards a step's work does not depend
+    on the weights' values, so the actor having trained K more steps changes no timing."""
+    from furlong.config_map import engine_config, run_config
+    from furlong.engine import Engine
+    from furlong.rollout.filters import load_filter
+    from furlong.rollout.partial import PausedGroups
+    from furlong.run.setup import RunParts
+    from furlong.trainer.mfu import model_flops_per_token
+    w = b.w
+    b.release_actor()                          # a fresh, seeded actor
+    actor = b.actor()
+    cfg = b.config()
+    r = cfg.rollout
+    r.num_rollout, r.over_sampling_batch_size, r.dynamic_sampling_filter_path = (w.rlstep_num_steps,
+                                                                                 w.rlstep_over_sampling, FILTER)
+    r.partial_rollout, r.rollout_kv_dtype = True, b.kv_dtype
+    config = run_config(cfg)
+    if b.plan is not None:
+        config = config.with_max_tokens(b.plan.max_tokens_per_gpu)
+    prompts, forced = prompt_pool(b)
+    pool = PromptPool(prompts)
+    model = b.random_model().to(b.dtype).eval()   # the engine's copy of the same initial weights
+    engine = Engine(model, NullTokenizer(), [], engine_config(cfg, max(w.prompt_lens) + max(w.response_lens)))
+    # RunParts as run set-up makes it, less what rl_step never reads (outputs, eval sets)
+    parts = RunParts(config=config, ctx=b.ctx, output_dir=Path("."), logger=None, dataset=pool,
+                     eval_sets=[], engine=ForcedLengths(engine, forced), reward_fn=synthetic_reward(w.rlstep_zero_std_every),
+                     filter_fn=load_filter(FILTER), actor=actor, start_rollout=0,
+                     train_flops_per_token=model_flops_per_token(actor.model), paused=PausedGroups())
+    k = w.rlstep_num_steps
+    part = _run_steps(parts, b, "partial", 0, 1)
+    branch = pool.position                     # where both modes' step 2 starts drawing new prompts
+    rest = _run_steps(parts, b, "partial", 1, k - 1)
+    part = {key: part[key] + rest[key] for key in part}
+    parts.paused, pool.position = None, branch    # plain: unfinished groups are aborted (rollout.py)
+    plain = _run_steps(parts, b, "plain", 1, k - 1)
     engine.release()
     del parts, engine, model
     b.release_actor()
     free_memory(b.device)
-    return out
+    return plain, part
+
+
+def _mean(times: list[float]) -> float | None:
+    return statistics.mean(times) if times else None
 
 
 def _after_first(times: list[float]) -> float | None:
-    return statistics.mean(times[1:]) if len(times) > 1 else None
+    return _mean(times[1:])
 
 
 def part_rlstep(b: Bench) -> RlStepResult:
     w = b.w
-    plain = _run_mode(b, partial=False)
-    part = _run_mode(b, partial=True)
-    p1, p2 = _after_first(plain["step_s"]), _after_first(part["step_s"])
+    plain, part = _run_both(b)
+    p1, p2 = _mean(plain["step_s"]), _after_first(part["step_s"])
     return RlStepResult(
         num_steps=w.rlstep_num_steps, rollout_batch_size=len(w.prompt_lens),
         over_sampling_batch_size=w.rlstep_over_sampling, n_samples_per_prompt=w.n_samples_per_prompt,
@@ -165,4 +187,6 @@ def part_rlstep(b: Bench) -> RlStepResult:
         plain_step_s_after_first=p1, partial_step_s_after_first=p2,
         partial_speedup=None if p1 is None or p2 is None else p1 / p2,
         note=f"rl_step as furlong train runs it; forced lengths; every {w.rlstep_zero_std_every}th group filtered "
-             "(equal rewards); step 1 of each mode includes compiles and graph captures; speedup over steps 2..K")
+             "(equal rewards); partial step 1 includes compiles and graph captures and is not compared; plain "
+             "steps 2..K rerun partial's steps 2..K on the same warm engine and actor, same new prompts, paused "
+             "groups dropped; speedup over steps 2..K")
