@@ -156,7 +156,7 @@ def _run_both(b: Bench) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
     parts.paused, pool.position = None, branch    # plain: unfinished groups are aborted (rollout.py)
     plain = _run_steps(parts, b, "plain", 1, k - 1)
     engine.release()
-    del parts, engine, model
+    del parts, engine, model, actor   # the actor too: release_actor reports what is still allocated
     b.release_actor()
     free_memory(b.device)
     return plain, part
