@@ -79,6 +79,9 @@ class DemoScale:
     sampled_eval_samples: int = 4     # samples per held-out prompt at the rollout temperature (0: no sampled eval)
     device: str = "cpu"
     kv_fraction: float = 0.3          # of free GPU memory, for the engine's KV cache (GPU only)
+    lora_rank: int = 0                # > 0: GRPO trains LoRA adapters of this rank, all linear layers (--lora-rank)
+    lora_alpha: float = 16.0          # --lora-alpha (adapters' output scaled by alpha / rank)
+    rollout_kv_dtype: str = "auto"    # --rollout-kv-dtype: auto | bf16 | fp8_e4m3 (rollouts and evals)
 
 
 PRESETS = {
@@ -116,7 +119,7 @@ def apply_overrides(scale, settings: list[str]):
         try:
             changes[name] = (value.lower() in ("1", "true", "yes")) if kind is bool else kind(value)
         except ValueError:
-            raise ValueError(f"--set {name}: {value!r} is not a {kind.__name__}") from None
+            raise ValueError(f"--set {name}: {value!r} is not of type {kind.__name__}") from None
     return dataclasses.replace(scale, **changes)
 
 
@@ -199,6 +202,8 @@ def grpo_config(out: Path, data: Path, scale: DemoScale, seed: int) -> Config:
         rl.ckpt.save, rl.ckpt.save_interval = str(out / "grpo_ckpt"), rl.eval.eval_interval
     rl.parallel.device, rl.parallel.seed = scale.device, seed
     rl.rollout.rollout_kv_fraction, rl.log.output_dir = scale.kv_fraction, str(out / "grpo")
+    rl.rollout.rollout_kv_dtype = scale.rollout_kv_dtype
+    rl.lora.lora_rank, rl.lora.lora_alpha = scale.lora_rank, scale.lora_alpha
     return rl
 
 
@@ -223,7 +228,7 @@ def sampled_evals(out: Path, data: Path, scale: DemoScale, seed: int, ctx) -> li
         cfg.reward.rm_type = "math"
         cfg.rollout.rollout_max_response_len = scale.max_response_len
         cfg.rollout.rollout_temperature = 1.0
-        cfg.rollout.rollout_kv_fraction = scale.kv_fraction
+        cfg.rollout.rollout_kv_fraction, cfg.rollout.rollout_kv_dtype = scale.kv_fraction, scale.rollout_kv_dtype
         cfg.eval.eval_prompt_data = ["synthetic", str(data / "test.parquet")]
         cfg.eval.n_samples_per_eval_prompt = scale.sampled_eval_samples
         if it > 0:

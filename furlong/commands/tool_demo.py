@@ -75,6 +75,9 @@ class ToolDemoScale:
     sampled_eval_samples: int = 4     # samples per held-out prompt at T=1 (calc_sampled)
     device: str = "cpu"
     kv_fraction: float = 0.3
+    lora_rank: int = 0                # as DemoScale: > 0 trains LoRA adapters (--lora-rank)
+    lora_alpha: float = 16.0
+    rollout_kv_dtype: str = "auto"
 
 
 PRESETS = {
