@@ -47,7 +47,7 @@ def test_rlstep_runs_both_modes_side_by_side(tmp_path, capsys):
     assert r["partial_resumed_samples"][1:] == r["partial_paused_samples"][:-1]
     assert r["partial_resumed_samples"][0] == 0 and r["partial_offpolicy_token_frac"][0] == 0
     assert max(r["partial_offpolicy_token_frac"]) > 0
-    # plain steps drop the buffer and abort: nothing resumed, groups aborted
+    # plain steps drop the buffer: their unfinished groups are aborted
     assert all(a > 0 for a in r["plain_aborted_groups"])
     after = lambda xs: sum(xs[1:]) / (k - 1)   # noqa: E731
     assert r["plain_step_s_after_first"] == pytest.approx(sum(r["plain_step_s"]) / (k - 1))

@@ -40,12 +40,16 @@ def test_quick_demo_with_lora_and_fp8_kv(tmp_path):
     assert re.search(r"demo: held-out accuracy \d+\.\d% -> \d+\.\d% greedy", proc.stdout.strip().splitlines()[-1])
     meta = torch.load(out / "grpo_ckpt" / "iter_0000002" / "trainer.pt", weights_only=False)
     assert meta["lora"]["rank"] == 4 and meta["lora"]["alpha"] == 8.0, meta["lora"]
-    flags = json.loads((out / "grpo" / "config.json").read_text())
-    assert flags["rollout"]["rollout_kv_dtype"] == "fp8_e4m3"
+    for run in ("grpo", "eval_sampled/iter_0", "eval_sampled/iter_2"):   # the GRPO run and the sampled evals
+        flags = json.loads((out / run / "config.json").read_text())
+        assert flags["rollout"]["rollout_kv_dtype"] == "fp8_e4m3", run
 
 
 def test_demo_set_rejects_unknown_and_mistyped_settings(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "furlong", "demo", "--quick", "--output-dir", str(tmp_path / "d"),
-                           "--set", "lora_rank=four"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--set lora_rank: 'four' is not of type int" in proc.stderr, proc.stderr
-    assert not (tmp_path / "d").exists()
+    for setting, needle in (("lora_rank=four", "--set lora_rank: 'four' is not of type int"),
+                            ("lora_rnak=4", "--set: expected NAME=VALUE with NAME one of")):
+        proc = subprocess.run([sys.executable, "-m", "furlong", "demo", "--quick", "--output-dir",
+                               str(tmp_path / "d"), "--set", setting], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
+            proc.stderr
+        assert not (tmp_path / "d").exists()
