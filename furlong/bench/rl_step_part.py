@@ -120,8 +120,10 @@ def _run_both(b: Bench) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
     """K steps with --partial-rollout, then K - 1 plain steps (rollout ids 2..K again) on the same warm engine
     and actor, from the prompt position partial step 2 started at and with the paused groups dropped: step 1
     is the same rollout in both modes up to its end (abort vs pause), so it runs once, and both modes' steps
-    2 draw the same new prompts. With forced lengths and synthetic rewards a step's work does not depend
-    on the weights' values, so the actor having trained K more steps changes no timing."""
+    2 draw new prompts in the same order from the same position (plain draws more: partial fills part of
+    its over-sampled batch with the paused groups). With forced lengths and synthetic rewards a step's
+    work does not depend on the weights' values, so the actor having trained K more steps changes no
+    timing."""
     from furlong.config_map import engine_config, run_config
     from furlong.engine import Engine
     from furlong.rollout.filters import load_filter
@@ -188,5 +190,5 @@ def part_rlstep(b: Bench) -> RlStepResult:
         partial_speedup=None if p1 is None or p2 is None else p1 / p2,
         note=f"rl_step as furlong train runs it; forced lengths; every {w.rlstep_zero_std_every}th group filtered "
              "(equal rewards); partial step 1 includes compiles and graph captures and is not compared; plain "
-             "steps 2..K rerun partial's steps 2..K on the same warm engine and actor, same new prompts, paused "
-             "groups dropped; speedup over steps 2..K")
+             "steps 2..K rerun partial's steps 2..K on the same warm engine and actor from the same prompt "
+             "position, paused groups dropped; speedup over steps 2..K")
