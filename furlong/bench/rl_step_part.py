@@ -147,7 +147,8 @@ def _run_both(b: Bench) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
     engine = Engine(model, NullTokenizer(), [], engine_config(cfg, max(w.prompt_lens) + max(w.response_lens)))
     # RunParts as run set-up makes it, less what rl_step never reads (outputs, eval sets)
     parts = RunParts(config=config, ctx=b.ctx, output_dir=Path("."), logger=None, dataset=pool,
-                     eval_sets=[], engine=ForcedLengths(engine, forced), reward_fn=synthetic_reward(w.rlstep_zero_std_every),
+                     eval_sets=[], engine=ForcedLengths(engine, forced),
+                     reward_fn=synthetic_reward(w.rlstep_zero_std_every),
                      filter_fn=load_filter(FILTER), actor=actor, start_rollout=0,
                      train_flops_per_token=model_flops_per_token(actor.model), paused=PausedGroups())
     k = w.rlstep_num_steps
