@@ -68,7 +68,7 @@ def _build_parser() -> _Parser:
     d.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cpu: the laptop preset; cuda: the GPU preset (a larger model and task, ~10 min on one H200)")
     d.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", dest="settings",
-                   help="override one setting of the preset (a DemoScale field in furlong/commands/demo.py, "
+                   help="override one setting of the preset (a DemoScale field in furlong/commands/demo_scale.py, "
                         "ToolDemoScale in tool_demo.py for --task calculator); repeatable")
     d.add_argument("--task", default="synthetic", choices=("synthetic", "calculator"),
                    help="synthetic: arithmetic in the head; calculator: GRPO teaches the model to call a "

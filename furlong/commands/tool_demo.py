@@ -47,7 +47,8 @@ EVAL_SETS = ("calc", "calc_sampled")   # greedy, and at the rollout temperature
 
 @dataclass
 class ToolDemoScale:
-    """The demo.py DemoScale fields that sft_config, grpo_config and write_random_qwen3 read, plus the task's."""
+    """The DemoScale fields (demo_scale.py) that sft_config, grpo_config and write_random_qwen3 read, plus
+    the task's."""
     num_train: int = 3000
     num_test: int = 200
     digits: int = 3                   # operands up to 10**digits - 1 (products of up to 2 * digits digits)
@@ -138,7 +139,8 @@ def summary_line(curves: dict, scale: ToolDemoScale, seconds: float) -> str:
 def run_tool_demo(output_dir: str | None = None, seed: int = 0, quick: bool = False, device: str = "cpu",
                   settings: list[str] | None = None, scale: ToolDemoScale | None = None) -> int:
     """The tool demo at `scale`, else the preset for `device` ("quick" with quick=True), with --set overrides."""
-    from furlong.commands.demo import _plot, apply_overrides, sft_config, write_random_qwen3
+    from furlong.commands.demo import _plot, sft_config, write_random_qwen3
+    from furlong.commands.demo_scale import apply_overrides
     from furlong.commands.sft import run_sft
     from furlong.launch.distributed import destroy_distributed, init_distributed
     from furlong.run.loop import run_rl

@@ -43,10 +43,11 @@ from __future__ import annotations
 import itertools
 from collections import deque
 
+from furlong.engine.admission import prefill_items
 from furlong.engine.block_manager import BlockManager, pages_for
 from furlong.engine.plan import Plan, PrefillItem
 from furlong.engine.retained import RetainedKV
-from furlong.engine.sequence import Request, Sequence, Status, StepOutput, new_sequences
+from furlong.engine.sequence import Request, Sequence, Status, StepOutput
 from furlong.engine.stats import EngineStats
 from furlong.engine.stop import StopRules
 
@@ -135,38 +136,9 @@ class Scheduler:
             free_rows, free_pages, budget, rows = free_rows - num, free_pages - pages, budget - tokens, rows + num
         if self.running and rows < min(self.min_admit, sum(self._unit(i)[0] for i in self.waiting)):
             return []
-        out: list[PrefillItem] = []
-        hosts: dict[tuple[int, ...], PrefillItem] = {}
-        for item in picked:
+        for _ in picked:
             self.waiting.popleft()
-            key = self._shared_key(item)
-            if isinstance(item, Request) and key in hosts:
-                seqs = new_sequences(item)
-                hosts[key].sequences.extend(seqs)
-            elif isinstance(item, Request):
-                seqs = new_sequences(item)
-                self.blocks.grow(seqs[0].block_table, item.num_tokens)
-                out.append(PrefillItem(sequences=seqs, token_ids=list(seqs[0].token_ids), page_copies=[]))
-                if key is not None:
-                    hosts[key] = out[-1]
-            else:
-                self.blocks.grow(item.block_table, item.num_tokens)
-                seqs = [item]
-                out.append(PrefillItem(sequences=seqs, token_ids=item.token_ids[item.num_cached:], page_copies=[],
-                                       start=item.num_cached))
-            for s in seqs:
-                s.serial = next(self._serials)
-            if isinstance(item, Request):   # a prompt's forks, a shared prompt's joiners with them: one cascade
-                origin = (hosts[key].sequences[0] if key is not None else seqs[0]).serial   # group (cascade.py)
-                for s in seqs:
-                    s.fork_group = origin
-        for item in out:          # after every prompt's own pages, as when the fork followed the prefill
-            seqs = item.sequences
-            if len(seqs) > 1:
-                tables, item.page_copies = self.blocks.fork(seqs[0].block_table, len(item.token_ids), len(seqs))
-                for s, t in zip(seqs, tables):
-                    s.block_table = t
-        return out
+        return prefill_items(picked, self.blocks, self._shared_key, self._serials)
 
     def schedule(self) -> Plan | None:
         if self.waiting and not (self.mix_prefill and self.running):
