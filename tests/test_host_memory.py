@@ -71,10 +71,11 @@ def test_ppo_critic_counts_on_the_host(monkeypatch):
     from furlong.models.hf_io import param_shapes
     args = ModelArgs(model_type="qwen3", vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True)
-    shapes = param_shapes(args)
-    n = sum(math.prod(s) for s in shapes.values())
-    critic = n - math.prod(shapes["lm_head.weight"]) + 64 + 1
-    assert host_memory.critic_num_params(args) == critic
+    from furlong.models.decoder import Transformer
+    from furlong.models.value_model import ValueModel
+    n = sum(math.prod(s) for s in param_shapes(args).values())
+    critic = sum(p.numel() for p in ValueModel(Transformer(args)).parameters())    # the critic run set-up builds
+    assert host_memory.critic_num_params(args) == critic < n
     for moments, per in ((False, 16), (True, 8)):
         cfg = Config()
         cfg.parallel = dataclasses.replace(cfg.parallel, fsdp_cpu_offload=not moments, optimizer_cpu_offload=moments)
@@ -92,10 +93,12 @@ def test_ppo_critic_counts_on_the_host(monkeypatch):
 def test_ppo_cli_checks_the_critic(tmp_path, capsys, monkeypatch):
     """`furlong train --advantage-estimator ppo --fsdp-cpu-offload` passes the critic's decoder to the
     check (its parameters counted beside the actor's), before anything is written."""
+    import math
+
     from cli_helpers import run_cli
     from test_train_flags_cli import argv, tiny_assets
 
-    from furlong.models.hf_io import check_pretrained
+    from furlong.models.hf_io import check_pretrained, param_shapes
     assets = tiny_assets(tmp_path / "assets")
     args = check_pretrained(assets / "ckpt")[0]
     seen = []
@@ -107,7 +110,4 @@ def test_ppo_cli_checks_the_critic(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     code, _, err = run_cli(argv(assets, out, "--fsdp-cpu-offload", "--advantage-estimator", "ppo"), capsys)
     assert code == 2 and err.strip() == "furlong: error: --fsdp-cpu-offload: recorded" and not out.exists()
-    import math
-
-    from furlong.models.hf_io import param_shapes
     assert seen == [sum(math.prod(s) for s in param_shapes(args).values()) + host_memory.critic_num_params(args)]

@@ -122,6 +122,7 @@ class CheckedInputs:
     resume: CheckpointChoice | None            # the --load iteration to restore
     output_dir: Path
     critic_checkpoint: Path | None             # HF dir the critic starts from (ppo only)
+    critic_model_args: ModelArgs | None        # its decoder (ppo only)
     run_dirs: RunDirs                          # run id, and what a new run clears (run/identity.py)
     functions: RolloutFunctions | None = None  # custom generate / rollout functions (None: none given)
     config: Config | None = None               # the flags with --num-epoch resolved into --num-rollout
@@ -205,14 +206,15 @@ def check_inputs(cfg: Config, with_actor: bool, user: UserFunctions | None = Non
     check_writable(out, "--output-dir")
     if cfg.ckpt.save is not None and trains:
         check_writable(cfg.ckpt.save, "--save")
-    critic_ckpt = None
+    critic_ckpt = critic_args = None
     if trains and cfg.algo.advantage_estimator == "ppo":
-        critic_ckpt = check_critic_inputs(cfg, ckpt, args.vocab_size, resume.iteration if resume is not None else None)
+        critic_ckpt, critic_args = check_critic_inputs(cfg, ckpt, args, resume.iteration if resume is not None else None)
     run_dirs = check_run_dirs(cfg, out, with_actor and critic_ckpt is not None) if with_actor else \
         plan_run_dirs(out, [], None, cfg.log.overwrite)   # eval: a run directory of its own
     return CheckedInputs(hf_checkpoint=ckpt, model_args=args, tokenizer=tokenizer, max_response_len=max_resp,
                          dataset=dataset, eval_sets=eval_sets, reward_fn=reward_fn, filter_fn=filter_fn,
-                         resume=resume, output_dir=out, critic_checkpoint=critic_ckpt, run_dirs=run_dirs,
+                         resume=resume, output_dir=out, critic_checkpoint=critic_ckpt,
+                         critic_model_args=critic_args, run_dirs=run_dirs,
                          functions=functions, config=cfg, reference=reference)
 
 
@@ -226,20 +228,24 @@ def check_run_dirs(cfg: Config, out: Path, with_critic: bool) -> RunDirs:
     return plan_run_dirs(out, saves, cfg.ckpt.load, cfg.log.overwrite)
 
 
-def check_critic_inputs(cfg: Config, hf_checkpoint: Path, vocab_size: int, resume_iteration: int | None) -> Path:
-    """The critic's inputs (ppo): the HF checkpoint it starts from (returned; the actor's
-    `hf_checkpoint` unless --critic-hf-checkpoint), which must share the actor's vocabulary since
-    it reads the actor's token ids; on resume, its checkpoint of the actor's iteration; --critic-save."""
+def check_critic_inputs(cfg: Config, hf_checkpoint: Path, args: ModelArgs,
+                        resume_iteration: int | None) -> tuple[Path, ModelArgs]:
+    """The critic's inputs (ppo): the HF checkpoint it starts from and its ModelArgs (returned; the
+    actor's `hf_checkpoint` and `args` unless --critic-hf-checkpoint), which must share the actor's
+    vocabulary since it reads the actor's token ids; on resume, its checkpoint of the actor's
+    iteration; --critic-save."""
     from furlong.models.hf_config import ModelArgs
     from furlong.checkpoint.critic import check_critic_resume
     from furlong.config_map import checkpoint_config
-    path, paths = hf_checkpoint, checkpoint_config(cfg)
+    path, paths, critic_args = hf_checkpoint, checkpoint_config(cfg), args
+    vocab_size = args.vocab_size
     if cfg.algo.critic_hf_checkpoint is not None:
         try:
             path = check_checkpoint_dir(cfg.algo.critic_hf_checkpoint)
         except ValueError as e:
             raise ValueError(str(e).replace("--hf-checkpoint", "--critic-hf-checkpoint", 1)) from e
-        critic_vocab = ModelArgs.from_dir(path).vocab_size
+        critic_args = ModelArgs.from_dir(path)
+        critic_vocab = critic_args.vocab_size
         if critic_vocab != vocab_size:
             raise ValueError(f"--critic-hf-checkpoint: vocab_size {critic_vocab} differs from the --hf-checkpoint "
                              f"model's {vocab_size} (the critic reads the actor's token ids)")
@@ -247,4 +253,4 @@ def check_critic_inputs(cfg: Config, hf_checkpoint: Path, vocab_size: int, resum
         check_critic_resume(paths.critic_load, resume_iteration)
     if paths.critic_save is not None:
         check_writable(paths.critic_save, "--critic-save")
-    return path
+    return path, critic_args

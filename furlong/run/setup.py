@@ -96,12 +96,8 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctio
     # past the host's memory the OOM killer ends the run silently
     if trains and (cfg.parallel.fsdp_cpu_offload or cfg.parallel.optimizer_cpu_offload):
         from furlong.run.host_memory import check_offload_host_memory
-        critic_args = None
-        if critic_ckpt is not None:   # headers only; checked by check_inputs
-            from furlong.models.hf_io import check_pretrained
-            critic_args = check_pretrained(critic_ckpt)[0]
         check_offload_host_memory(cfg, inputs.model_args, ctx.world_size, inputs.reference is not None,
-                                  dtype.itemsize, critic_args)
+                                  dtype.itemsize, inputs.critic_model_args)
     engine_model = load_pretrained(ckpt, dtype=dtype, device=device)
     if resume is not None and not trains:   # furlong eval --load, or rollouts of the trained weights
         from furlong.checkpoint.store import load_model_weights
