@@ -55,6 +55,9 @@ def test_rlstep_runs_both_modes_side_by_side(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "rlstep partial step 3" in printed and "rlstep plain step 3" in printed and "partial_speedup" in printed
     assert "rlstep plain step 1" not in printed
+    # plain steps resume nothing: the paused buffer was dropped, not carried into them
+    plain_lines = [ln for ln in printed.splitlines() if "rlstep plain step" in ln]
+    assert len(plain_lines) == k - 1 and all("resumed 0 samples" in ln for ln in plain_lines), plain_lines
 
 
 def test_rlstep_pool_of_the_long_workload():
