@@ -166,7 +166,9 @@ def test_fp8_engine_with_cascade_reads_the_same_cache_as_without(model, kv_token
     for cs_a, cs_b in zip(on, off):
         for a, b in zip(cs_a, cs_b):
             assert a.token_ids == b.token_ids
-            torch.testing.assert_close(torch.tensor(a.log_probs), torch.tensor(b.log_probs), atol=1e-5, rtol=0)
+            # 1e-4: the cascade merges two softmax parts in another float order (4.2e-5 seen on an EPYC CI
+            # machine); a page read without its copied scales is off by e4m3's error, 1e-2 and more
+            torch.testing.assert_close(torch.tensor(a.log_probs), torch.tensor(b.log_probs), atol=1e-4, rtol=0)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
