@@ -73,7 +73,7 @@ def write_random_qwen3(out_dir: Path, tokenizer_dir: Path, scale: DemoScale, see
     return out_dir
 
 
-def _eval_series(metrics_path: Path, key: str) -> list[tuple[int, float]]:
+def eval_series(metrics_path: Path, key: str) -> list[tuple[int, float]]:
     """[(rollouts trained, score)] of eval metric `key` in a run's metrics.jsonl (the eval before training: 0)."""
     out = []
     for line in metrics_path.read_text().splitlines():
@@ -162,7 +162,7 @@ def sampled_evals(out: Path, data: Path, scale: DemoScale, seed: int, ctx) -> li
         cfg.parallel.device, cfg.parallel.seed = scale.device, seed
         cfg.log.output_dir = str(out / "eval_sampled" / f"iter_{it}")
         run_eval_only(cfg, ctx)
-        scores.append((it, _eval_series(Path(cfg.log.output_dir) / "metrics.jsonl", "eval/synthetic")[-1][1]))
+        scores.append((it, eval_series(Path(cfg.log.output_dir) / "metrics.jsonl", "eval/synthetic")[-1][1]))
     return scores
 
 
@@ -208,8 +208,8 @@ def run_demo(output_dir: str | None = None, seed: int = 0, quick: bool = False,
     finally:
         destroy_distributed()
 
-    greedy = _eval_series(out / "grpo" / "metrics.jsonl", "eval/synthetic")
-    _plot(out / "grpo")
+    greedy = eval_series(out / "grpo" / "metrics.jsonl", "eval/synthetic")
+    plot_grpo_run(out / "grpo")
     # both curves as [rollouts trained, held-out accuracy] pairs
     (out / "evals.json").write_text(json.dumps({"greedy": greedy, "sampled": sampled,
                                                 "sampled_samples_per_prompt": scale.sampled_eval_samples}))
@@ -221,7 +221,7 @@ def run_demo(output_dir: str | None = None, seed: int = 0, quick: bool = False,
     return 0
 
 
-def _plot(run_dir: Path) -> None:
+def plot_grpo_run(run_dir: Path) -> None:
     """grpo/metrics.png, when matplotlib is there (an optional dependency)."""
     try:
         from furlong.commands.plot import plot_run

@@ -121,9 +121,9 @@ def tool_grpo_config(out: Path, data: Path, scale: ToolDemoScale, seed: int) -> 
 
 def eval_curves(metrics_path: Path) -> dict[str, dict[str, list[tuple[int, float]]]]:
     """{eval set: {"accuracy": [(rollouts trained, mean reward)], "tool_call_rate": [...]}} of a GRPO run."""
-    from furlong.commands.demo import _eval_series
-    return {name: {"accuracy": _eval_series(metrics_path, f"eval/{name}"),
-                   "tool_call_rate": _eval_series(metrics_path, f"eval/{name}/tool_call_ratio")}
+    from furlong.commands.demo import eval_series
+    return {name: {"accuracy": eval_series(metrics_path, f"eval/{name}"),
+                   "tool_call_rate": eval_series(metrics_path, f"eval/{name}/tool_call_ratio")}
             for name in EVAL_SETS}
 
 
@@ -139,7 +139,7 @@ def summary_line(curves: dict, scale: ToolDemoScale, seconds: float) -> str:
 def run_tool_demo(output_dir: str | None = None, seed: int = 0, quick: bool = False, device: str = "cpu",
                   settings: list[str] | None = None, scale: ToolDemoScale | None = None) -> int:
     """The tool demo at `scale`, else the preset for `device` ("quick" with quick=True), with --set overrides."""
-    from furlong.commands.demo import _plot, sft_config, write_random_qwen3
+    from furlong.commands.demo import plot_grpo_run, sft_config, write_random_qwen3
     from furlong.commands.demo_scale import apply_overrides
     from furlong.commands.sft import run_sft
     from furlong.launch.distributed import destroy_distributed, init_distributed
@@ -178,7 +178,7 @@ def run_tool_demo(output_dir: str | None = None, seed: int = 0, quick: bool = Fa
         destroy_distributed()
 
     curves = eval_curves(out / "grpo" / "metrics.jsonl")
-    _plot(out / "grpo")
+    plot_grpo_run(out / "grpo")
     (out / "evals.json").write_text(json.dumps({**curves, "sampled_samples_per_prompt": scale.sampled_eval_samples}))
     print(summary_line(curves, scale, time.perf_counter() - t0), flush=True)
     return 0
