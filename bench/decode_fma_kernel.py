@@ -34,11 +34,11 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _decode_fma_kernel(Q, K, V, KS, VS, BT, CL, O, LSE, OUT,
+def _decode_fma_kernel(Q, K, V, KS, VS, BT, CL, PL, O, LSE, OUT,
                        s_qb, s_qh, s_kp, s_kh, s_ks, s_sp, s_sh, s_bt, s_ob, s_oh, s_os, s_lb, s_lh, s_outb, s_outh,
                        scale_log2, num_splits,
                        G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                       DIRECT: tl.constexpr, FP8: tl.constexpr, ACC3: tl.constexpr):
+                       DIRECT: tl.constexpr, FP8: tl.constexpr, ACC3: tl.constexpr, HAS_LO: tl.constexpr):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -46,9 +46,11 @@ def _decode_fma_kernel(Q, K, V, KS, VS, BT, CL, O, LSE, OUT,
     n = tl.arange(0, BLOCK_N)[None, :, None]    # [1, N, 1]
     d = tl.arange(0, D)[None, None, :]          # [1, 1, D]
     hi = tl.load(CL + row)
+    lo = tl.load(PL + row) if HAS_LO else 0     # cascade: the row's tokens after its group's shared prefix
+    t_lo = lo // BLOCK_N
     num_tiles = tl.cdiv(hi, BLOCK_N)
-    per_split = tl.cdiv(num_tiles, num_splits)
-    t0 = sp * per_split
+    per_split = tl.cdiv(num_tiles - t_lo, num_splits)
+    t0 = t_lo + sp * per_split
     t1 = tl.minimum(t0 + per_split, num_tiles)
     # scores in log2 units (exp2 below): the softmax scale and log2(e) folded into q once
     q = tl.load(Q + row * s_qb + (kvh * G + g) * s_qh + d).to(tl.float32) * scale_log2   # [G, 1, D]
@@ -62,7 +64,7 @@ def _decode_fma_kernel(Q, K, V, KS, VS, BT, CL, O, LSE, OUT,
         start = t * BLOCK_N
         page = tl.load(BT + row * s_bt + start // PAGE).to(tl.int64)
         off = page * s_kp + kvh * s_kh + (start % PAGE + n) * s_ks + d          # [1, N, D]
-        valid = (start + n) < hi                                                 # [1, N, 1]
+        valid = ((start + n) < hi) & ((start + n) >= lo)                         # [1, N, 1]
         k = tl.load(K + off, mask=valid, other=0.0).to(tl.float32)
         v = tl.load(V + off, mask=valid, other=0.0).to(tl.float32)
         s = tl.sum(q * k, axis=2, keep_dims=True)                                # [G, N, 1]
@@ -96,37 +98,39 @@ def _decode_fma_kernel(Q, K, V, KS, VS, BT, CL, O, LSE, OUT,
                                                                 float("-inf")))
 
 
-def fma_decode_attention(q, keys, values, block_tables, context_lens, num_splits, block_n=16, key_scales=None,
-                         value_scales=None, num_warps=1, num_stages=2, acc3=False):
-    """paged_decode_attention's contract without cascade: q [B, Hq, D] -> [B, Hq, D]."""
+def fma_rows(q, keys, values, block_tables, context_lens, num_splits, part, lse, out, prefix_lens, key_scales=None,
+             value_scales=None, block_n=16, num_warps=1, num_stages=2, acc3=False):
+    """The rows' own splits into paged_decode_attention's part/lse slots 0..num_splits-1 (or straight into
+    out with one split and no cascade: part is out then)."""
     num_rows, num_heads, dim = q.shape
     _, num_kv, page, _ = keys.shape
     group = num_heads // num_kv
     if group & (group - 1) or page % block_n:
-        raise ValueError(f"fma_decode_attention: group {group} must be a power of 2, page {page} a multiple of {block_n}")
+        raise ValueError(f"fma_rows: group {group} must be a power of 2, page {page} a multiple of {block_n}")
     fp8 = key_scales is not None
     ks, vs = (key_scales, value_scales) if fp8 else (context_lens, context_lens)
-    out = torch.empty_like(q)
-    direct = num_splits == 1
-    if direct:
-        part, lse = out, out
-    else:
-        part = torch.empty(num_rows, num_heads, num_splits, dim, dtype=torch.float32, device=q.device)
-        lse = torch.empty(num_rows, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    direct = part is out
+    pl = prefix_lens if prefix_lens is not None else context_lens
     _decode_fma_kernel[(num_rows, num_kv, num_splits)](
-        q, keys, values, ks, vs, block_tables, context_lens, part, lse, out,
+        q, keys, values, ks, vs, block_tables, context_lens, pl, part, lse, out,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0, block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2) if not direct else 0, lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), LOG2E / math.sqrt(dim), num_splits,
         G=group, D=dim, PAGE=page, BLOCK_N=block_n, DIRECT=direct, FP8=fp8, ACC3=acc3,
-        num_warps=num_warps, num_stages=num_stages)
-    if not direct:
-        _combine_kernel[(num_rows, num_heads)](
-            part, lse, out, context_lens, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
-            lse.stride(1), out.stride(0), out.stride(1), num_splits, 0, D=dim,
-            S_PAD=triton.next_power_of_2(num_splits), CASCADE=False)
-    return out
+        HAS_LO=prefix_lens is not None, num_warps=num_warps, num_stages=num_stages)
+
+
+def fma_decode_attention(q, keys, values, block_tables, context_lens, num_splits, block_n=16, key_scales=None,
+                         value_scales=None, num_warps=1, num_stages=2, acc3=False, prefix=None, group_splits=1,
+                         **_engine_settings):
+    """paged_decode_attention's contract (cascade groups still run on the engine's kernel)."""
+    def rows(part, lse, out, pl):
+        fma_rows(q, keys, values, block_tables, context_lens, num_splits, part, lse, out, pl, key_scales,
+                 value_scales, block_n, num_warps, num_stages, acc3)
+    return paged_decode_attention(q, keys, values, block_tables, context_lens, num_splits, prefix=prefix,
+                                  group_splits=group_splits, key_scales=key_scales, value_scales=value_scales,
+                                  rows_kernel=rows)
 
 
 def main() -> None:
