@@ -140,7 +140,11 @@ def main() -> None:
     ap.add_argument("--context", default="640,4096")
     ap.add_argument("--block-n", default="16,32")
     ap.add_argument("--warps", default="1,2,4")
+    ap.add_argument("--splits", default="engine", help="engine (ModelRunner's count) or engine,double")
     ap.add_argument("--out", default=".")
+    ap.add_argument("--rollout", default=None, metavar="WORKLOAD",
+                    help="then time `furlong bench --parts rollout` on this workload with fp8 KV, the engine's "
+                         "kernel and then the best fp8 FMA setting of this sweep's longest context patched in")
     a = ap.parse_args()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -157,7 +161,7 @@ def main() -> None:
             print(json.dumps(results[-1]), flush=True)
             for block_n, warps, acc3, sp in itertools.product(
                     [int(x) for x in a.block_n.split(",")], [int(x) for x in a.warps.split(",")], (False, True),
-                    sorted({splits, splits * 2})):
+                    sorted({splits, splits * 2} if "double" in a.splits else {splits})):
                 def fn():
                     return fma_decode_attention(q, k, v, tables, lens, sp, block_n=block_n, num_warps=warps,
                                                 acc3=acc3, **scales)
@@ -186,6 +190,32 @@ def main() -> None:
                   f"{b['warps']} acc3 {b['acc3']} splits {b['splits']}, max diff {b['max_diff']:.2e}")
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "decode_fma_kernel.json").write_text(json.dumps(results, indent=1))
+    if a.rollout:
+        longest = max(r["context"] for r in results)
+        fma = [r for r in results if r["kernel"] == "fma" and r["kv"] == "fp8" and r["context"] == longest
+               and "ms" in r]
+        best = min(fma, key=lambda r: r["ms"])
+        rollout_side_by_side(a.rollout, Path(a.out), best)
+
+
+def rollout_side_by_side(workload: str, out: Path, setting: dict) -> None:
+    """The bench's rollout part with fp8 KV twice: the engine's kernel, then the FMA rows (`setting`'s
+    block_n, warps, acc3; the engine's own split count) patched into the engine's attention call."""
+    import furlong.engine.kernels as kernels
+    from furlong.bench import run_bench
+    engine_kernel = kernels.paged_decode_attention
+
+    def patched(q, keys, values, block_tables, context_lens, num_splits, **kw):
+        kw = {k: v for k, v in kw.items() if k in ("prefix", "group_splits", "key_scales", "value_scales")}
+        return fma_decode_attention(q, keys, values, block_tables, context_lens, num_splits,
+                                    block_n=setting["block_n"], num_warps=setting["warps"], acc3=setting["acc3"], **kw)
+    for name, fn in (("engine", engine_kernel), ("fma", patched)):
+        kernels.paged_decode_attention = fn      # kv_cache.DecodeContext.attend looks it up at each call
+        try:
+            print(f"[fma] rollout with the {name} kernel {setting if name == 'fma' else ''}", flush=True)
+            run_bench(workload, str(out / f"rollout_fp8_{name}.json"), "rollout", "fp8_e4m3")
+        finally:
+            kernels.paged_decode_attention = engine_kernel
 
 
 if __name__ == "__main__":
