@@ -1,5 +1,6 @@
 """`furlong` command-line behaviour: flag errors, bad inputs, --ci-test, the dynamic
-filter's bound, and the prepare / score / sft / eval subcommands.
+filter's bound, `train --help`, and the sft / eval subcommands (prepare and score:
+test_cli_prepare_score.py).
 
 Most runs call `furlong.cli.main([...])` in-process (no interpreter + torch start-up
 per case); a few go through `python -m furlong` to check the real exit code and
@@ -15,7 +16,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -25,7 +25,6 @@ from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 from furlong.cli import main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-GSM8K_SAMPLE = Path(__file__).resolve().parent / "data" / "gsm8k"
 if str(ROOT) not in sys.path:   # so --custom-rm-path tests.rewards_for_tests.* imports in-process
     sys.path.insert(0, str(ROOT))
 REWARD = "tests.rewards_for_tests.index_reward"   # varies within every group; see that module
@@ -224,51 +223,6 @@ def test_dynamic_filter_all_zero_reward_stops(assets, tmp_path):
 
 # ---------------------------------------------------------------- other subcommands
 
-def test_prepare_gsm8k_counts(tmp_path, capsys):
-    src = GSM8K_SAMPLE
-    expect = {s: sum(1 for line in open(src / f"{s}.jsonl") if line.strip()) for s in ("train", "test")}
-    code, out, _ = run_cli(["prepare", "gsm8k", "--input", str(src), "--output", str(tmp_path)], capsys)
-    assert code == 0
-    for split, n in expect.items():
-        t = pq.read_table(tmp_path / f"{split}.parquet")
-        assert t.num_rows == n
-        assert {"messages", "label"} <= set(t.column_names)
-        assert f"{split} {n} rows" in out
-    row = pq.read_table(tmp_path / "train.parquet").slice(0, 1).to_pylist()[0]
-    assert row["messages"][0]["role"] == "user" and row["label"] == "72"   # GSM8K train row 1: #### 72
-
-
-def test_prepare_synthetic(tmp_path, capsys):
-    code, out, _ = run_cli(["prepare", "synthetic", "--output", str(tmp_path), "--num-train", "12",
-                            "--num-test", "5", "--seed", "3"], capsys)
-    assert code == 0
-    assert pq.read_table(tmp_path / "train.parquet").num_rows == 12
-    assert pq.read_table(tmp_path / "test.parquet").num_rows == 5
-    assert "train 12 rows" in out
-
-
-def test_score_prints_accuracy_and_writes_scores(tmp_path, capsys):
-    src = write_jsonl(tmp_path / "r.jsonl", [
-        json.dumps({"response": "so \\boxed{12}", "label": "12"}),
-        json.dumps({"response": "The answer is 7", "label": "8"}),
-        json.dumps({"response": "#### 1,000", "label": "1000"}),
-        json.dumps({"response": "\\boxed{\\frac{1}{2}}", "label": "0.5"}),
-    ])
-    out_path = tmp_path / "s.jsonl"
-    code, out, _ = run_cli(["score", "--rm-type", "math", "--input", str(src), "--output", str(out_path)], capsys)
-    assert code == 0
-    assert "3/4" in out and "75.0%" in out
-    scores = [json.loads(x)["score"] for x in out_path.read_text().splitlines()]
-    assert scores == [1.0, 0.0, 1.0, 1.0]
-
-
-def test_score_malformed_row_one_line(tmp_path, capsys):
-    src = write_jsonl(tmp_path / "r.jsonl", [json.dumps({"response": "1", "label": "1"}), "{nope"])
-    code, _, err = run_cli(["score", "--input", str(src)], capsys)
-    assert code == 2
-    assert_one_line(err, "r.jsonl", "2")
-
-
 def test_sft_saves_loadable_hf_checkpoint(assets, tmp_path, capsys):
     import torch
     from safetensors.torch import load_file
@@ -302,15 +256,6 @@ def test_eval_prints_metric(assets, tmp_path, capsys):
     assert len(list((tmp_path / "out" / "samples").glob("eval_syn_*.jsonl"))) == 1
 
 
-def test_prepare_gsm8k_without_input_offline_is_one_line(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    code, _, err = run_cli(["prepare", "gsm8k", "--output", str(tmp_path / "out")], capsys)
-    assert code == 2
-    assert_one_line(err, "--input")
-    assert not (tmp_path / "out").exists()
-
-
 def test_train_help_shows_defaults_metavars_and_groups():
     p = run_proc(["train", "--help"])
     assert p.returncode == 0
@@ -335,17 +280,3 @@ def test_bad_config_json_is_one_line_naming_the_key(assets, tmp_path, capsys, ed
     assert code == 2
     assert_one_line(err, *needles)
     assert not (tmp_path / "out").exists()
-
-
-@pytest.mark.parametrize("argv", [
-    ["prepare", "synthetic", "--output", "{f}/sub"],
-    ["score", "--input", "{f}.jsonl", "--output", "{f}/scores.jsonl"],
-    ["export", "--load", "{f}.ck", "--output", "{f}/hf", "--hf-checkpoint", "{f}.hf"],
-])
-def test_output_of_prepare_score_export_checked_first(tmp_path, capsys, argv):
-    """--output under a regular file: one line naming --output, exit 2, before any work."""
-    f = tmp_path / "afile"
-    f.write_text("x")
-    assert main([a.format(f=f) for a in argv]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("furlong: error: --output:") and len(err.splitlines()) == 1, err

@@ -1,5 +1,7 @@
 """furlong.models against transformers on tiny random checkpoints, and its own fast paths
-against the obvious slow ones (packed vs per-sample, KV cache vs full, padded vs unpadded)."""
+against the obvious slow ones (packed vs per-sample, padded vs unpadded); config parsing,
+load errors and save_hf. Scaled RoPE: test_model_rope.py; the packed attention op on its
+own: test_model_attention.py."""
 from __future__ import annotations
 
 import json
@@ -10,8 +12,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from furlong.models import ModelArgs, Transformer, hf_state_dict, load_pretrained, save_hf
-from furlong.models.attention import packed_attention
-from furlong.models.rope import rope_inv_freq
 from tiny_checkpoints import TOKENIZER_SIZE, write_tiny_checkpoint
 
 VOCAB = 128
@@ -99,40 +99,6 @@ def test_config_errors_name_key(ckpts, tmp_path, bad, key):
         ModelArgs.from_dir(tmp_path)
 
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
-
-
-YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
-
-
-@pytest.mark.parametrize("scaling", [
-    LLAMA3_ROPE, {"rope_type": "linear", "factor": 4.0}, YARN_ROPE,
-    {**YARN_ROPE, "truncate": False, "attention_factor": 1.3, "beta_fast": 16.0}],
-    ids=["llama3", "linear", "yarn", "yarn-untruncated"])
-def test_rope_scaling_matches_transformers(tmp_path, scaling):
-    """Scaled RoPE (Llama 3.1's, linear, YaRN with its attention factor) gives transformers' logits
-    over 200 positions, and survives a save/load round trip (ours and transformers' reading of the
-    saved config). head_dim 8, theta 1e4: wavelengths 6.3, 63, 628 and 6283 positions put one
-    frequency in each llama3 band (kept, interpolated, divided) for an original context of 64, and
-    YaRN's ramp runs over pairs 0..2 (kept, blended, divided)."""
-    path = write_tiny_checkpoint(tmp_path / "ckpt", family="llama", vocab_size=VOCAB, hidden=32, heads=4,
-                                 kv_heads=2, rope_scaling=scaling)
-    model = load_pretrained(path)
-    assert model.args.rope_scaling is not None and model.args.rope_scaling.rope_type == scaling["rope_type"]
-    plain = rope_inv_freq(model.args.head_dim, model.args.rope_theta)
-    assert not torch.allclose(model.inv_freq, plain)   # the scaling is in effect
-    ids = torch.randint(0, VOCAB, (2, 200), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        ours = model(ids)
-    torch.testing.assert_close(ours, _hf_logits(path, ids), rtol=1e-4, atol=1e-4)
-    save_hf(model, model.args, tmp_path / "saved")
-    again = load_pretrained(tmp_path / "saved")
-    assert again.args.rope_scaling == model.args.rope_scaling
-    torch.testing.assert_close(again.inv_freq, model.inv_freq)
-    torch.testing.assert_close(_hf_logits(tmp_path / "saved", ids), ours, rtol=1e-4, atol=1e-4)   # as saved
-
-
 def _packed_batch(lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
     samples = [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
@@ -152,41 +118,6 @@ def test_packed_equals_per_sample(ckpts, cid):
         ref = torch.cat([model(s[None])[0] for s in samples])
     assert hidden.shape == (sum(lengths), model.args.hidden_size)
     assert (packed_logits - ref).abs().max().item() <= 1e-5
-
-
-@pytest.mark.parametrize("kv_heads", [1, 2, 4])
-def test_packed_attention_reference_gradients(kv_heads):
-    """The per-sample op (the CPU path, opaque to torch.compile) and its explicit backward: the same
-    outputs and q/k/v gradients as autograd through plain SDPA on each sample (K/V expanded), and
-    its registration (fake kernel, autograd) passes torch.library.opcheck."""
-    import torch.nn.functional as F
-    g = torch.Generator().manual_seed(7)
-    lengths = [3, 1, 6, 4]
-    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-    q, k, v = (torch.randn(sum(lengths), h, 8, generator=g, dtype=torch.float64)
-               for h in (4, kv_heads, kv_heads))
-    grad = torch.randn(sum(lengths), 4, 8, generator=g, dtype=torch.float64)
-
-    def run(fn):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = fn(*leaves)
-        out.backward(grad)
-        return [out.detach()] + [t.grad for t in leaves]
-
-    def plain(q, k, v):
-        rows = []
-        for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
-            seg = lambda t, n=1: t[s:e].repeat_interleave(n, dim=1).transpose(0, 1)  # noqa: E731
-            groups = 4 // kv_heads
-            out = F.scaled_dot_product_attention(seg(q), seg(k, groups), seg(v, groups), is_causal=True)
-            rows.append(out.transpose(0, 1))
-        return torch.cat(rows)
-
-    for ours, ref in zip(run(lambda q, k, v: packed_attention(q, k, v, cu, max(lengths), impl="per_sample")),
-                         run(plain)):
-        torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-10)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    torch.library.opcheck(torch.ops.furlong.packed_attention_ref.default, (*leaves, cu, max(lengths), 8 ** -0.5))
 
 
 def test_packed_grads_with_and_without_checkpointing(ckpts):
@@ -330,32 +261,6 @@ def test_save_hf_round_trip(ckpts, tmp_path, cid):
 def test_hf_state_dict_rejects_wrapped_names():
     with pytest.raises(ValueError, match="_orig_mod.embed_tokens.weight"):
         hf_state_dict({"_orig_mod.embed_tokens.weight": torch.zeros(1)})
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kv_heads", [2, 8])
-def test_flash_matches_per_sample_bf16(kv_heads):
-    """The flash path (GQA in the kernel) against the fp32 per-sample reference: outputs and the
-    gradients of q, k and v (K/V gradients are summed over each group inside aten's backward)."""
-    from furlong.models.attention import select_packed_impl
-    torch.manual_seed(0)
-    lengths = [37, 5, 128, 1, 64]
-    total, d = sum(lengths), 64
-    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
-    q = torch.randn(total, 8, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(total, kv_heads, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(total, kv_heads, d, device="cuda", dtype=torch.bfloat16)
-    g = torch.randn(total, 8, d, device="cuda")
-    assert select_packed_impl(q) == "flash"
-    grads = []
-    for dtype, name in ((torch.bfloat16, "flash"), (torch.float32, "per_sample")):
-        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        out = packed_attention(*leaves, cu, max(lengths), impl=name)
-        (out.float() * g).sum().backward()
-        grads.append([out.detach().float()] + [t.grad.float() for t in leaves])
-    for fast, ref in zip(*grads):
-        assert (fast - ref).abs().max().item() < 5e-2 * max(1.0, ref.abs().max().item())
 
 
 @pytest.mark.gpu

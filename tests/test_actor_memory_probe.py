@@ -1,0 +1,77 @@
+"""The actor's memory probe: choose_max_tokens' arithmetic, the CPU default budget and the
+probe's measurement through the actor's own loss (CUDA counters stood in for), and on a GPU
+a probed budget that trains. Runs in this pytest process on a one-rank gloo group."""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from test_actor import synthetic_samples, tiny_ckpt, tiny_config  # noqa: E402,F401 (tiny_ckpt: fixture)
+
+from furlong.config_map import actor_config, batching_config, run_config  # noqa: E402
+from furlong.launch.distributed import init_distributed  # noqa: E402
+from furlong.models.hf_io import load_pretrained  # noqa: E402
+from furlong.trainer.actor import Actor  # noqa: E402
+from furlong.trainer.memory_probe import CPU_DEFAULT_TOKENS, ProbeMeasurement, choose_max_tokens, probe_max_tokens  # noqa: E402
+
+
+def test_choose_max_tokens():
+    gib = 2**30
+    # 10 GiB static, 1 MiB per token (affine), 100 GiB device, 15% margin, 5 GiB engine weights
+    m = ProbeMeasurement(4096, 10 * gib + 4096 * 2**20, 8192, 10 * gib + 8192 * 2**20, pending_bytes=2 * gib)
+    got = choose_max_tokens(m, total_bytes=100 * gib, reserved_bytes=5 * gib)
+    # budget 85 - 5 - 10 - 2 = 68 GiB -> 68 * 1024 tokens
+    assert got == 68 * 1024
+    assert choose_max_tokens(m, total_bytes=100 * gib, reserved_bytes=5 * gib, safety_fraction=0.5) == 33 * 1024
+    # nothing fits: the floor is one granule
+    assert choose_max_tokens(m, total_bytes=12 * gib) == 1024
+    with pytest.raises(ValueError):
+        choose_max_tokens(ProbeMeasurement(4096, 1, 4096, 2, 0), total_bytes=gib)
+
+
+def test_probe_on_cpu_returns_default(tiny_ckpt, caplog):
+    """The probe's budget is a value the run puts into its config (RunConfig.with_max_tokens)."""
+    cfg = tiny_config(use_dynamic_batch_size=True, max_tokens_per_gpu="auto")
+    actor = Actor(load_pretrained(tiny_ckpt), actor_config(cfg), init_distributed("cpu"))
+    with pytest.raises(ValueError, match="--max-tokens-per-gpu"):
+        actor.train_step(synthetic_samples([8, 9]), batching_config(cfg))
+    with caplog.at_level("INFO"):
+        budget = probe_max_tokens(actor)
+    assert budget == CPU_DEFAULT_TOKENS and "default budget" in caplog.text
+    config = run_config(cfg)
+    assert config.steps.max_tokens_per_gpu is None and config.with_max_tokens(budget).steps.max_tokens_per_gpu == budget
+    steps = config.with_max_tokens(budget).steps
+    assert actor.train_step(synthetic_samples([8, 9]), steps).num_micro_batches == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_probe_on_gpu_fits(tiny_ckpt):
+    """The probed budget is a multiple of 1024 and a micro-batch of that size trains."""
+    cfg = tiny_config(use_dynamic_batch_size=True, max_tokens_per_gpu="auto")
+    actor = Actor(load_pretrained(tiny_ckpt), actor_config(cfg), init_distributed("cuda"))
+    budget = probe_max_tokens(actor)
+    assert budget % 1024 == 0 and budget >= 1024
+    n = min(budget, 65536)
+    m = actor.train_step(synthetic_samples([n // 2, n // 2]), run_config(cfg).with_max_tokens(budget).steps)
+    assert m.num_micro_batches == 1 and math.isfinite(m.grad_norm)
+
+
+def test_probe_measurement_runs_the_actor_loss_on_cpu(tiny_ckpt, monkeypatch):
+    """The probe's micro-batch goes through the actor's own loss (its signature included) and backward;
+    CUDA's memory counters are stood in for, so a change to the loss's arguments fails here, not only
+    on a GPU (it once reached the device first: the probe called the loss without its slices)."""
+    from furlong.trainer import memory_probe
+    for name in ("synchronize", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 12345)
+    cfg = tiny_config(use_dynamic_batch_size=True, max_tokens_per_gpu="auto")
+    actor = Actor(load_pretrained(tiny_ckpt), actor_config(cfg), init_distributed("cpu"))
+    assert memory_probe._measure(actor, 64) == 12345
+    assert all(p.grad is None for p in actor.model.parameters())   # the probe leaves no gradients behind
