@@ -8,7 +8,10 @@ engine's own setting is block_n 64, num_warps 4 (bf16) or 2 (fp8), V's load besi
 num_stages 2 and the split count of ModelRunner.num_splits. Tried and dropped (slower, 2026-12-04):
 Q quantised to e4m3 for an fp8 x fp8 Q.K^T dot (no faster, 5x the output error), and K/V tiles dequantised in registers
 before the dots (6x slower); e4m3 widened to fp16 where loaded by an inline-PTX convert, so the dots read
-fp16 with ldmatrix (0.935 against 0.836 ms at B=256 x 4096 on an H100, 2026-12-05).
+fp16 with ldmatrix (0.935 against 0.836 ms at B=256 x 4096 on an H100, 2026-12-05); the rows' own splits on
+CUDA cores, no tl.dot (each program's GQA group as [G, 1, D] against [1, N, D] tiles, fp32 multiplies and
+reductions: only the useful products, no shared-memory round trip), fp8 0.874x the engine kernel's speed
+at its best setting and bf16 even (an H100, 2026-12-06; bench/decode_fma_kernel.py at commit f15a330).
 
     python3 bench/decode_kernel_sweep.py [--batch 256,64] [--context 640,4096] [--warps 2,4,8] [--stages 1,2,3,4]
         [--quick] [--out DIR]

@@ -2,15 +2,13 @@
 # The device measurements still owed by the open issues (as of session 16), batched into device calls
 # whose pieces' timeouts add up to <= 560 s, most important first (a session's 30 device minutes hold
 # about three, fewer when starts fail):
-#   bash bench/pending_device.sh fma|call1|call2|call3
-# fma    the CUDA-core decode attention experiment (bench/decode_fma_kernel.py) beside the engine's kernel,
-#        then the long rollout with fp8 KV on both (issue 21: fp8 reads at ~2.5 TB/s on an H200, no faster
-#        than bf16 there); if it wins, it goes into the engine
+#   bash bench/pending_device.sh call1|call2|call3
 # call1  (an H200) Qwen3-8B full-parameter with --optimizer-cpu-offload (issue 20: trains, step time); the
 #        re-run of the CPU reference's GPU test (it failed its allocator reading on an H100 in session 15)
 # call2  the long rollout with bf16 and fp8 KV side by side (issue 21: <= 40 s), the decode probe with both
 # call3  the GPU demo, 100 rollouts: full-parameter bf16, --lora-rank 64 (issue 20), fp8 KV (issue 21)
-# call2 and call3 ran on an H100 in session 16 (BENCHMARKS.md), but their logs were lost: re-run for files.
+# call2 ran on an H100 in session 16 (BENCHMARKS.md) but its logs were lost (the long fp8 half was measured
+# again, 76.4 s); call3 ran twice there, the second time with its logs kept.
 # Measured in session 15 and dropped from here: the mixed-step GPU test and multi-turn (1.20x), the long
 # RL step with and without --partial-rollout (1.25x), the GPU tests, the seed step (H100).
 # Everything lands in $OUT (logs, JSON, plots); each piece is bounded by `timeout`.
@@ -19,11 +17,6 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/out}"; mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 case ${1:-} in
-fma)
-    FURLONG_BENCH_TIME_S=300 FURLONG_BENCH_GUARD_S=270 timeout -k 10 540 python3 bench/decode_fma_kernel.py \
-        --batch 256 --context 640,4096 --rollout bench/long_workload.json --out "$OUT" >"$OUT/fma.log" 2>&1
-    echo "== fma: exit $?"; grep -A6 "best FMA" "$OUT/fma.log"; grep -m3 error "$OUT/fma.log"
-    grep -E "^\[fma\]|rollout +(seconds|tok_per)" "$OUT/fma.log" ;;
 call1)
     bash bench/bigger_models.sh 8b-optoff
     timeout -k 10 100 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=90 tests/test_offload_gpu.py \
@@ -40,5 +33,5 @@ call3)
         timeout -k 10 $([ $v = lora ] && echo 210 || echo 170) python3 -m furlong demo --device cuda --output-dir "$OUT/demo_$v" "${args[@]}" \
             >"$OUT/demo_$v.log" 2>&1; echo "== demo $v: exit $?"; tail -2 "$OUT/demo_$v.log"
     done ;;
-*) echo "usage: bash bench/pending_device.sh fma|call1|call2|call3"; exit 2 ;;
+*) echo "usage: bash bench/pending_device.sh call1|call2|call3"; exit 2 ;;
 esac

@@ -41,13 +41,13 @@ from furlong.engine.cascade import PrefixGroups
 @triton.jit
 def _decode_attn_kernel(Q, K, V, KS, VS, BT, CL, PL, GR, GP, O, LSE, OUT,
                         s_qb, s_qh, s_kp, s_kh, s_ks, s_sp, s_sh, s_bt, s_gr, s_ob, s_oh, s_os, s_lb, s_lh, s_outb,
-                        s_outh, scale, num_splits, group_splits, sp_base,
+                        s_outh, scale, num_splits, group_splits,
                         GROUP: tl.constexpr, QP: tl.constexpr, MEMBERS: tl.constexpr, D: tl.constexpr,
                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, CASCADE: tl.constexpr,
                         FP8: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr, EARLY_V: tl.constexpr):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
-    sp = tl.program_id(2) + sp_base   # sp_base num_splits: a launch of the cascade group programs alone
+    sp = tl.program_id(2)
     i = tl.arange(0, QP)
     d = tl.arange(0, D)
     n = tl.arange(0, BLOCK_N)
@@ -159,16 +159,13 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
                            prefix: PrefixGroups | None = None, group_splits: int = 1,
                            key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None,
                            num_warps: int | None = None, num_stages: int = 2,
-                           early_v: bool | None = None, rows_kernel=None) -> torch.Tensor:
+                           early_v: bool | None = None) -> torch.Tensor:
     """q [B, Hq, D]; keys/values [num_pages, Hkv, page, D]; block_tables [B, max_pages] int32;
     context_lens [B] int32 -> [B, Hq, D] in q's dtype (zeros where context_lens is 0).
     fp8 cache: keys/values float8_e4m3fn, key/value_scales [num_pages, Hkv, page] float32 (same strides).
     prefix (cascade): rows that share their first tokens' KV read it once per group (see PrefixGroups),
     each group's prefix split `group_splits` ways; the first B // group_splits groups are read. A
-    grouped row's prefix must be shorter than its context (the engine's always is: it holds the prompt).
-    rows_kernel (an experiment, bench/decode_fma_kernel.py): called as rows_kernel(part, lse, out, pl)
-    to run the rows' own splits instead of this kernel, which then runs only the cascade groups' programs
-    (if any) into the same part/lse slots before the combine."""
+    grouped row's prefix must be shorter than its context (the engine's always is: it holds the prompt)."""
     num_rows, num_heads, dim = q.shape
     _, num_kv, page, _ = keys.shape
     group = num_heads // num_kv
@@ -205,31 +202,23 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     else:
         pl = gr = gp = context_lens     # unused
         members = 1
-    if rows_kernel is not None:
-        rows_kernel(part, lse, out, pl if cascade else None)
-        if not cascade:
-            return out if direct else _combine(part, lse, out, pl, num_splits, group_splits, dim, num_slots, False)
-    grid_splits = 1 if rows_kernel is not None else (num_splits + 1 if cascade else num_splits)
-    _decode_attn_kernel[(num_rows, num_kv, grid_splits)](
+    _decode_attn_kernel[(num_rows, num_kv, num_splits + 1 if cascade else num_splits)](
         q, keys, values, ks, vs, block_tables, context_lens, pl, gr, gp, part, lse, out,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0, block_tables.stride(0),
         gr.stride(0), part.stride(0), part.stride(1), part.stride(2) if not direct else 0, lse.stride(0),
         lse.stride(1), out.stride(0), out.stride(1), 1.0 / math.sqrt(dim), num_splits,
-        group_splits, num_splits if rows_kernel is not None else 0, GROUP=group, QP=qp, MEMBERS=members, D=dim, PAGE=page, BLOCK_N=block_n,
+        group_splits, GROUP=group, QP=qp, MEMBERS=members, D=dim, PAGE=page, BLOCK_N=block_n,
         DIRECT=direct, CASCADE=cascade, FP8=fp8,
         DOT=tl.float32 if q.dtype == torch.float32 else tl.float16,   # fp8 tiles' dot dtype (docstring)
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", EARLY_V=early_v, num_warps=num_warps,
         num_stages=num_stages)
-    return out if direct else _combine(part, lse, out, pl, num_splits, group_splits, dim, num_slots, cascade)
-
-
-def _combine(part, lse, out, pl, num_splits, group_splits, dim, num_slots, cascade):
-    """The splits' partial outputs merged by their log-sum-exps into out."""
-    _combine_kernel[(out.shape[0], out.shape[1])](
-        part, lse, out, pl, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), num_splits, group_splits, D=dim,
-        S_PAD=triton.next_power_of_2(num_slots), CASCADE=cascade)
+    if not direct:
+        _combine_kernel[(num_rows, num_heads)](
+            part, lse, out, pl, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1), num_splits, group_splits, D=dim,
+            S_PAD=triton.next_power_of_2(num_slots),
+            CASCADE=cascade)
     return out
 
 
