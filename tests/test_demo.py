@@ -25,6 +25,8 @@ def test_quick_demo_runs_end_to_end(tmp_path):
     assert [x for x, _ in evals["greedy"]] == [0, 2]      # before GRPO and after its 2 rollouts
     assert [x for x, _ in evals["sampled"]] == [0, 2]     # the SFT model and the final checkpoint
     assert all(0.0 <= v <= 1.0 for _, v in evals["greedy"] + evals["sampled"])
+    assert [x for x, _ in evals["rollout_logprob_abs_diff"]] == [1, 2]   # one per rollout trained
+    assert all(0.0 <= v < 1.0 for _, v in evals["rollout_logprob_abs_diff"])
 
 
 def test_quick_demo_with_lora_and_fp8_kv(tmp_path):

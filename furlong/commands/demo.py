@@ -209,10 +209,14 @@ def run_demo(output_dir: str | None = None, seed: int = 0, quick: bool = False,
         destroy_distributed()
 
     greedy = eval_series(out / "grpo" / "metrics.jsonl", "eval/synthetic")
+    # [rollouts trained, mean |trainer - engine| log-prob of the trained tokens]: what fp8 KV or LoRA's
+    # merged engine weights cost in mismatch, beside the accuracy they reach
+    gap = eval_series(out / "grpo" / "metrics.jsonl", "train/rollout_logprob_abs_diff")
     plot_grpo_run(out / "grpo")
     # both curves as [rollouts trained, held-out accuracy] pairs
     (out / "evals.json").write_text(json.dumps({"greedy": greedy, "sampled": sampled,
-                                                "sampled_samples_per_prompt": scale.sampled_eval_samples}))
+                                                "sampled_samples_per_prompt": scale.sampled_eval_samples,
+                                                "rollout_logprob_abs_diff": gap}))
     line = f"demo: held-out accuracy {100 * greedy[0][1]:.1f}% -> {100 * greedy[-1][1]:.1f}% greedy"
     if sampled:
         line += (f", {100 * sampled[0][1]:.1f}% -> {100 * sampled[-1][1]:.1f}% sampled "
