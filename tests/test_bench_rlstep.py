@@ -46,6 +46,7 @@ def test_rlstep_runs_both_modes_side_by_side(tmp_path, capsys):
     assert r["partial_paused_samples"][0] > 0
     assert r["partial_resumed_samples"][1:] == r["partial_paused_samples"][:-1]
     assert r["partial_resumed_samples"][0] == 0 and r["partial_offpolicy_token_frac"][0] == 0
+    assert r["plain_resumed_samples"] == [0] * (k - 1)         # plain steps continue nothing
     assert max(r["partial_offpolicy_token_frac"]) > 0
     # plain steps drop the buffer: their unfinished groups are aborted
     assert all(a > 0 for a in r["plain_aborted_groups"])

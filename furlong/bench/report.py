@@ -172,6 +172,7 @@ class RlStepResult:
     plain_generated_tokens: list[int]   # response tokens generated (aborted ones too)
     plain_trained_tokens: list[int]     # response tokens of the kept samples
     plain_aborted_groups: list[int]
+    plain_resumed_samples: list[int]    # samples continued from an earlier step: 0 (plain steps drop paused groups)
     partial_step_s: list[float]
     partial_rollout_s: list[float]
     partial_train_s: list[float]

@@ -182,7 +182,7 @@ def part_rlstep(b: Bench) -> RlStepResult:
         over_sampling_batch_size=w.rlstep_over_sampling, n_samples_per_prompt=w.n_samples_per_prompt,
         plain_step_s=plain["step_s"], plain_rollout_s=plain["rollout_s"], plain_train_s=plain["train_s"],
         plain_generated_tokens=plain["generated"], plain_trained_tokens=plain["trained"],
-        plain_aborted_groups=plain["aborted"],
+        plain_aborted_groups=plain["aborted"], plain_resumed_samples=[int(x) for x in plain["resumed"]],
         partial_step_s=part["step_s"], partial_rollout_s=part["rollout_s"], partial_train_s=part["train_s"],
         partial_generated_tokens=part["generated"], partial_trained_tokens=part["trained"],
         partial_aborted_groups=part["aborted"], partial_resumed_samples=[int(x) for x in part["resumed"]],
