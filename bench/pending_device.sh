@@ -32,7 +32,7 @@ call3)
         [ $v = fp8 ] && args+=(--set rollout_kv_dtype=fp8_e4m3)
         timeout -k 10 $([ $v = lora ] && echo 210 || echo 170) python3 -m furlong demo --device cuda --output-dir "$OUT/demo_$v" "${args[@]}" \
             >"$OUT/demo_$v.log" 2>&1; echo "== demo $v: exit $?"; tail -2 "$OUT/demo_$v.log"
-        cp "$OUT/demo_$v/evals.json" "$OUT/demo_${v}_evals.json" 2>/dev/null   # the folder is too big to come back
+        cp "$OUT/demo_$v/evals.json" "$OUT/demo_${v}_evals.json" || continue   # the folder is too big to come back
         python3 -c "import json, sys; g = json.load(open(sys.argv[1]))['rollout_logprob_abs_diff']; \
 print('mean |trainer - engine| log-prob', round(sum(v for _, v in g) / max(1, len(g)), 5))" "$OUT/demo_${v}_evals.json"
     done ;;

@@ -74,7 +74,8 @@ def write_random_qwen3(out_dir: Path, tokenizer_dir: Path, scale: DemoScale, see
 
 
 def eval_series(metrics_path: Path, key: str) -> list[tuple[int, float]]:
-    """[(rollouts trained, score)] of eval metric `key` in a run's metrics.jsonl (the eval before training: 0)."""
+    """[(rollouts trained, value)] of metric `key` in a run's metrics.jsonl (an eval or a rollout's train/*
+    line; the eval before training: 0)."""
     out = []
     for line in metrics_path.read_text().splitlines():
         rec = json.loads(line)
