@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device runs behind BENCHMARKS.md "Bigger models, fp8 KV": each step writes JSON/logs into $OUT.
 #   bash bench/bigger_models.sh PART...   PART: gpu-tests | decode-fp8 | seed-fp8 | 4b | 4b-optoff | 4b-lora |
-#                                               8b-offload | 8b-optoff | 8b-lora | long-fp8 | 1p7b | 4b-ref | lora-apply
+#                                               8b-offload | 8b-optoff | 8b-lora | long-fp8 | long-bf16 | long-fp8-only | 1p7b | 4b-ref | lora-apply
 # Every run is bounded by `timeout` so that $OUT always comes back within the device call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,6 +45,9 @@ for part in "$@"; do
                  --lora-alpha 128 ;;
     long-fp8) FURLONG_BENCH_GUARD_S=270 bench long_bf16 300 --workload bench/long_workload.json --parts rollout
               FURLONG_BENCH_GUARD_S=270 bench long_fp8 300 --workload bench/long_workload.json --parts rollout --kv-dtype fp8_e4m3 ;;
+    long-bf16) FURLONG_BENCH_GUARD_S=270 bench long_bf16 300 --workload bench/long_workload.json --parts rollout ;;
+    long-fp8-only) FURLONG_BENCH_GUARD_S=270 bench long_fp8 300 --workload bench/long_workload.json --parts rollout \
+                       --kv-dtype fp8_e4m3 ;;
     *) echo "unknown part $part" ;;
     esac
 done

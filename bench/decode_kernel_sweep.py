@@ -3,8 +3,9 @@
 One layer of a Qwen3-0.6B-shaped cache (16 query heads, 8 KV heads, head_dim 128, 64-token pages,
 the engine's page layout from kv_cache.KVLayout with 4 layers interleaved, pages in random order),
 B rows at one context length; each setting is timed over CUDA-graph replays (median of 5 x 20)
-and reported with the bandwidth it reaches over the K/V (+ scale) bytes it must read. The
-engine's own setting is block_n 64, num_warps 4 (bf16) or 2 (fp8), V's load beside K's for fp8,
+and reported with the bandwidth it reaches over the K/V (+ scale) bytes it must read. fp8 V is
+stored dim-major as the engine does (kv_cache.KVLayout.dim_major; `fp8_vtok`: token-major, as
+before 2026-12-06). The engine's own setting is block_n 64, num_warps 4 (bf16) or 2 (fp8), V's load beside K's for fp8,
 num_stages 2 and the split count of ModelRunner.num_splits. Tried and dropped (slower, 2026-12-04):
 Q quantised to e4m3 for an fp8 x fp8 Q.K^T dot (no faster, 5x the output error), and K/V tiles dequantised in registers
 before the dots (6x slower); e4m3 widened to fp16 where loaded by an inline-PTX convert, so the dots read
@@ -39,13 +40,13 @@ def engine_splits(rows: int, num_sms: int) -> int:
     return max(1, min(16, 1 << (want - 1).bit_length()))
 
 
-def build(batch: int, context: int, fp8: bool, gen: torch.Generator):
+def build(batch: int, context: int, fp8: bool, gen: torch.Generator, v_dim_major: bool = True):
     pages_per_row = -(-context // PAGE)
     num_pages = batch * pages_per_row
     layout = KVLayout(LAYERS, HKV, PAGE, D, FP8 if fp8 else torch.bfloat16, fp8)
     kbuf = torch.empty(num_pages * layout.page_bytes, dtype=torch.uint8, device="cuda")
     vbuf = torch.empty_like(kbuf)
-    (k, ks), (v, vs) = layout.views(kbuf, num_pages), layout.views(vbuf, num_pages)
+    (k, ks), (v, vs) = layout.views(kbuf, num_pages), layout.views(vbuf, num_pages, values=v_dim_major)
     k, v = k[:, 1], v[:, 1]                                   # one layer: strided like the engine's
     raw_k = torch.randn(num_pages, HKV, PAGE, D, device="cuda", generator=gen) * 2
     raw_v = torch.randn(num_pages, HKV, PAGE, D, device="cuda", generator=gen)
@@ -95,14 +96,17 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="block_n 64 only")
     ap.add_argument("--warps", default="2,4,8")
     ap.add_argument("--stages", default="1,2,3,4")
+    ap.add_argument("--kv", default="bf16,fp8,fp8_vtok",
+                    help="bf16; fp8 (the engine's layout: V dim-major); fp8_vtok (V token-major, before 2026-12-06)")
     a = ap.parse_args()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(0)
     results = []
     for batch, context in itertools.product(map(int, a.batch.split(",")), map(int, a.context.split(","))):
         base = engine_splits(batch, num_sms)
-        for fp8 in (False, True):
-            q, k, v, ks, vs, tables, lens, nbytes = build(batch, context, fp8, gen)
+        for kv in a.kv.split(","):
+            fp8 = kv != "bf16"
+            q, k, v, ks, vs, tables, lens, nbytes = build(batch, context, fp8, gen, v_dim_major=kv == "fp8")
             ref = None
             grid = ((64,) if a.quick else (32, 64), ints(a.warps), ints(a.stages),
                     sorted({base, base * 2, max(1, base // 2)}), (False, True))
@@ -118,11 +122,11 @@ def main() -> None:
                     err = (out.float() - ref.float()).abs().max().item()
                     ms = time_graph(fn)
                 except Exception as e:   # a setting Triton cannot compile (shared memory): reported
-                    results.append(dict(batch=batch, context=context, kv="fp8" if fp8 else "bf16",
+                    results.append(dict(batch=batch, context=context, kv=kv,
                                         block_n=block_n, warps=warps, stages=stages, splits=splits, early_v=early_v,
                                         error=str(e).splitlines()[0][:200]))
                     continue
-                row = dict(batch=batch, context=context, kv="fp8" if fp8 else "bf16", block_n=block_n,
+                row = dict(batch=batch, context=context, kv=kv, block_n=block_n,
                            warps=warps, stages=stages, splits=splits, early_v=early_v, ms=round(ms, 4),
                            tb_s=round(nbytes / ms / 1e9, 3), max_diff_vs_first=err,
                            engine_setting=(block_n, warps, stages, splits, early_v) ==

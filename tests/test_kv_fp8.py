@@ -75,12 +75,29 @@ def test_fp8_page_layout_holds_data_and_scales_apart_and_halves_the_page():
     assert (keys.view(torch.uint8) == 0x7E).all() and (buf != 0).all()  # apart, and together the whole buffer
     plain, none = bf16.views(torch.zeros(5 * bf16.page_bytes, dtype=torch.uint8), 5)
     assert none is None and plain.is_contiguous() and plain.shape == (5, 3, 2, 8, 128)
+    assert bf16.views(torch.zeros(5 * bf16.page_bytes, dtype=torch.uint8), 5, values=True)[0].is_contiguous()
+
+
+def test_fp8_values_are_stored_dim_major_behind_the_same_view():
+    """An fp8 V block holds [D, page] bytes (kernels.py says why); the view still reads [page, D]."""
+    lay = KVLayout(num_layers=2, num_kv_heads=2, page_size=8, head_dim=16, dtype=FP8, scaled=True)
+    buf = torch.zeros(3 * lay.page_bytes, dtype=torch.uint8)
+    values, scales = lay.views(buf, 3, values=True)
+    keys, _ = lay.views(torch.zeros_like(buf), 3)
+    assert values.shape == keys.shape and values.stride()[:3] == keys.stride()[:3]
+    assert values.stride()[3:] == (1, 8) and keys.stride()[3:] == (16, 1)
+    values.view(torch.uint8)[1, 1, 0, 5, 3] = 7                # page 1, layer 1, head 0, token 5, dim 3
+    block = 1 * lay.page_bytes + 2 * lay.block_bytes           # page 1's (layer 1, head 0) block
+    assert buf[block + 3 * 8 + 5] == 7 and int(buf.count_nonzero()) == 1
+    scales[1, 1, 0, 5] = 1.0                                   # its scale still follows the whole block
+    assert buf[block + 8 * 16:block + 8 * 16 + 32].view(torch.float32)[5] == 1.0
 
 
 def test_cache_write_copy_and_reference_read_dequantise():
     g = torch.Generator().manual_seed(1)
     lay = KVLayout(num_layers=2, num_kv_heads=2, page_size=4, head_dim=16, dtype=FP8, scaled=True)
-    (k8, ks), (v8, vs) = (lay.views(torch.zeros(6 * lay.page_bytes, dtype=torch.uint8), 6) for _ in range(2))
+    (k8, ks), (v8, vs) = (lay.views(torch.zeros(6 * lay.page_bytes, dtype=torch.uint8), 6, values=i == 1)
+                          for i in range(2))
     cache = PagedKVCache(k8, v8, ks, vs)
     k, v = torch.randn(7, 2, 16, generator=g) * 5, torch.randn(7, 2, 16, generator=g) * 0.02
     page, off = torch.tensor([1, 1, 1, 1, 2, 2, 2]), torch.tensor([0, 1, 2, 3, 0, 1, 2])

@@ -25,15 +25,16 @@ def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def fp8_cache(pages, hkv, page, d, g, layers=2):
-    """A layer's strided fp8 views (as the engine lays them out) filled through store_kv with rows of
-    very different scales; -> keys, values, key_scales, value_scales."""
+def fp8_cache(pages, hkv, page, d, g, layers=2, v_dim_major=True):
+    """A layer's strided fp8 views (as the engine lays them out: values dim-major; token-major with
+    v_dim_major=False) filled through store_kv with rows of very different scales, every slot written
+    (a dim-major V tile is read past a row's context); -> keys, values, key_scales, value_scales."""
     from furlong.engine.kernels import store_kv
     from furlong.engine.kv_cache import KVLayout
     from furlong.engine.kv_fp8 import FP8
     lay = KVLayout(layers, hkv, page, d, FP8, scaled=True)
-    (k8, ks), (v8, vs) = (lay.views(torch.zeros(pages * lay.page_bytes, dtype=torch.uint8, device=DEV), pages)
-                          for _ in range(2))
+    (k8, ks), (v8, vs) = (lay.views(torch.zeros(pages * lay.page_bytes, dtype=torch.uint8, device=DEV), pages,
+                                    values=i == 1 and v_dim_major) for i in range(2))
     k8, ks, v8, vs = k8[:, 1], ks[:, 1], v8[:, 1], vs[:, 1]
     slots = torch.arange(page, pages * page, device=DEV)                 # every slot but the scratch page's
     n = len(slots)
@@ -51,9 +52,10 @@ def test_store_kv_fp8_quantises_as_the_reference():
     g = torch.Generator(device=DEV).manual_seed(3)
     rows, hq, hkv, d, page, pages, _ = SHAPE
     lay = KVLayout(3, hkv, page, d, FP8, scaled=True)
-    (k8, ks), (v8, vs) = (lay.views(torch.zeros(pages * lay.page_bytes, dtype=torch.uint8, device=DEV), pages)
-                          for _ in range(2))
+    (k8, ks), (v8, vs) = (lay.views(torch.zeros(pages * lay.page_bytes, dtype=torch.uint8, device=DEV), pages,
+                                    values=i == 1) for i in range(2))
     k8, ks, v8, vs = k8[:, 2], ks[:, 2], v8[:, 2], vs[:, 2]
+    assert v8.stride()[2:] == (1, page)                                  # the engine's dim-major V
     n = 37
     slot = torch.randperm((pages - 1) * page, device=DEV, generator=g)[:n] + page       # distinct slots
     qkv = torch.randn(n, (hq + 2 * hkv) * d, device=DEV, generator=g) * 3                  # strided like the engine
@@ -76,12 +78,13 @@ def test_store_kv_fp8_quantises_as_the_reference():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 @pytest.mark.parametrize("early_v", [False, True])
-def test_paged_decode_attention_fp8_matches_dequantised_reference(dtype, num_splits, early_v):
+@pytest.mark.parametrize("v_dim_major", [True, False])
+def test_paged_decode_attention_fp8_matches_dequantised_reference(dtype, num_splits, early_v, v_dim_major):
     from furlong.engine.kernels import paged_decode_attention
     from furlong.engine.kv_cache import decode_attention_reference
     g = torch.Generator(device=DEV).manual_seed(num_splits)
     rows, hq, hkv, d, page, pages, longest = SHAPE
-    keys, values, ks, vs = fp8_cache(pages, hkv, page, d, g)
+    keys, values, ks, vs = fp8_cache(pages, hkv, page, d, g, v_dim_major=v_dim_major)
     lens = torch.tensor([0, 1, 5, page - 1, page, page + 1, 2 * page + 3, longest // 2, longest][:rows]
                         + [3] * max(0, rows - 9), dtype=torch.int32, device=DEV)
     width = -(-longest // page)

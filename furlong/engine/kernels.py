@@ -17,11 +17,11 @@ paged_decode_attention  one query token per row over its paged KV (flash-decodin
     6.4 ms for bf16 K/V at B=256 with that detour), and their per-token scales
     applied outside them: a score column is multiplied by its key's scale, a
     probability column by its value's scale relative to the tile's largest
-    before P.V, the largest after. What bounds it is instructions, not bytes: Triton 3.6 reads an
-    8-bit dot operand out of shared memory with plain loads and byte shuffles (no ldmatrix) before
-    the converts: its sm_90 PTX (compiled offline) holds ~5x the shared-memory instructions of the
-    bf16 kernel's. Before V's early load, fp8 took 0.64x bf16's time at B=256 x 4096 tokens on an
-    H100 and 0.91x on an H200 (more bandwidth per instruction).
+    before P.V, the largest after. An fp8 cache's V is stored dim-major (kv_cache.KVLayout.dim_major):
+    Triton 3.6 has no transposing shared-memory load for 8-bit dot operands, and a token-major V tile
+    reached the P.V dot one byte per load (sm_90 SASS, compiled offline: 128 LDS.U8 and their byte
+    permutes per thread per tile); dim-major, its loads are 16 bytes wide and unmasked and it reaches
+    the dot through ldmatrix: the loop body per warp 1,363 -> 906 instructions, 255 -> 202 registers.
 store_kv  each new token's k and v into its (page, offset) slot, one program per
     (token, kv head): one launch per layer instead of two generic index_put kernels;
     for an fp8 cache it quantises the row with its absmax scale (kv_fp8.py).
@@ -44,7 +44,8 @@ def _decode_attn_kernel(Q, K, V, KS, VS, BT, CL, PL, GR, GP, O, LSE, OUT,
                         s_outh, scale, num_splits, group_splits,
                         GROUP: tl.constexpr, QP: tl.constexpr, MEMBERS: tl.constexpr, D: tl.constexpr,
                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, CASCADE: tl.constexpr,
-                        FP8: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr, EARLY_V: tl.constexpr):
+                        FP8: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr, EARLY_V: tl.constexpr,
+                        V_DIM_MAJOR: tl.constexpr):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -93,8 +94,14 @@ def _decode_attn_kernel(Q, K, V, KS, VS, BT, CL, PL, GR, GP, O, LSE, OUT,
         off = page * s_kp + kvh * s_kh + (start % PAGE + n)[:, None] * s_ks + d[None, :]
         valid = ((start + n) < hi) & ((start + n) >= lo)
         k = tl.load(K + off, mask=valid[:, None], other=0.0)
+        if V_DIM_MAJOR:
+            # tokens contiguous: unmasked, so the loads stay 16 bytes wide (a mask along the contiguous
+            # dim splits them into bytes); slots outside [lo, hi) hold finite values (the launcher's
+            # docstring) that p weighs by exactly 0
+            v_ptr = V + (page * s_kp + kvh * s_kh + (tl.multiple_of(start % PAGE, BLOCK_N) + n)[:, None]
+                         + d[None, :] * PAGE)
         if EARLY_V:   # V's load issued beside K's (the launcher says when)
-            v = tl.load(V + off, mask=valid[:, None], other=0.0)
+            v = tl.load(v_ptr) if V_DIM_MAJOR else tl.load(V + off, mask=valid[:, None], other=0.0)
         if FP8:
             # e4m3 -> fp16 is one conversion instruction per pair on sm90 (to bf16 it goes through
             # fp32), so an fp8 tile's dots run in fp16: q, p and the scaled values are far inside its range
@@ -109,7 +116,7 @@ def _decode_attn_kernel(Q, K, V, KS, VS, BT, CL, PL, GR, GP, O, LSE, OUT,
         alpha = tl.exp(m - m_new)
         l = l * alpha + tl.sum(p, 1)
         if not EARLY_V:
-            v = tl.load(V + off, mask=valid[:, None], other=0.0)
+            v = tl.load(v_ptr) if V_DIM_MAJOR else tl.load(V + off, mask=valid[:, None], other=0.0)
         if FP8:
             # value scales relative to the tile's largest, so p * scale stays in fp16's normal range
             # (a small-magnitude head's scales alone could flush to zero); the largest multiplies after
@@ -154,6 +161,19 @@ def _combine_kernel(O, LSE, OUT, PL, s_ob, s_oh, s_os, s_lb, s_lh, s_outb, s_out
     tl.store(OUT + b * s_outb + h * s_outh + d, out.to(OUT.dtype.element_ty))
 
 
+def value_layout(keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """keys/values [num_pages, Hkv, page, D] -> whether values is dim-major (else laid out as keys,
+    which must be token-major with D contiguous)."""
+    page = keys.shape[2]
+    if keys.stride(-1) != 1 or values.stride()[:2] != keys.stride()[:2]:
+        raise ValueError("KV cache: head dim must be contiguous in keys, and values paged like keys")
+    if values.stride() == keys.stride():
+        return False
+    if values.stride()[2:] == (1, page):
+        return True
+    raise ValueError(f"KV cache: values strides {values.stride()} are neither keys' {keys.stride()} nor dim-major")
+
+
 def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, num_splits: int, block_n: int = 64,
                            prefix: PrefixGroups | None = None, group_splits: int = 1,
@@ -163,6 +183,9 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     """q [B, Hq, D]; keys/values [num_pages, Hkv, page, D]; block_tables [B, max_pages] int32;
     context_lens [B] int32 -> [B, Hq, D] in q's dtype (zeros where context_lens is 0).
     fp8 cache: keys/values float8_e4m3fn, key/value_scales [num_pages, Hkv, page] float32 (same strides).
+    values may be token-major like keys or dim-major (strides (1, page) in its last two dims,
+    kv_cache.KVLayout.dim_major); dim-major values are read a whole tile at a time, so every slot of a
+    row's pages must hold a finite value, past its context too (the engine zeroes such a cache).
     prefix (cascade): rows that share their first tokens' KV read it once per group (see PrefixGroups),
     each group's prefix split `group_splits` ways; the first B // group_splits groups are read. A
     grouped row's prefix must be shorter than its context (the engine's always is: it holds the prompt)."""
@@ -183,6 +206,7 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     early_v = fp8 if early_v is None else early_v
     if fp8 and (key_scales.stride() != value_scales.stride() or key_scales.stride(-1) != 1):
         raise ValueError("paged_decode_attention: key/value scales must be laid out alike, tokens contiguous")
+    v_dim_major = value_layout(keys, values)
     ks, vs = (key_scales, value_scales) if fp8 else (context_lens, context_lens)   # unused without fp8
     out = torch.empty_like(q)
     cascade = prefix is not None
@@ -209,7 +233,7 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
         gr.stride(0), part.stride(0), part.stride(1), part.stride(2) if not direct else 0, lse.stride(0),
         lse.stride(1), out.stride(0), out.stride(1), 1.0 / math.sqrt(dim), num_splits,
         group_splits, GROUP=group, QP=qp, MEMBERS=members, D=dim, PAGE=page, BLOCK_N=block_n,
-        DIRECT=direct, CASCADE=cascade, FP8=fp8,
+        DIRECT=direct, CASCADE=cascade, FP8=fp8, V_DIM_MAJOR=v_dim_major,
         DOT=tl.float32 if q.dtype == torch.float32 else tl.float16,   # fp8 tiles' dot dtype (docstring)
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", EARLY_V=early_v, num_warps=num_warps,
         num_stages=num_stages)
@@ -243,7 +267,7 @@ def _quantize_row(x):
 
 @triton.jit
 def _store_kv_kernel(K, V, KC, VC, KS, VS, PAGE, OFF, s_kn, s_kh, s_vn, s_vh, s_cp, s_ch, s_cs, s_sp, s_sh,
-                     D: tl.constexpr, FP8: tl.constexpr):
+                     s_vcs, s_vcd, D: tl.constexpr, FP8: tl.constexpr):
     n = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, D)
@@ -258,22 +282,24 @@ def _store_kv_kernel(K, V, KC, VC, KS, VS, PAGE, OFF, s_kn, s_kh, s_vn, s_vh, s_
         tl.store(KS + page * s_sp + h * s_sh + off, ks)
         tl.store(VS + page * s_sp + h * s_sh + off, vs)
     tl.store(KC + dst, k.to(KC.dtype.element_ty))
-    tl.store(VC + dst, v.to(VC.dtype.element_ty))
+    tl.store(VC + page * s_cp + h * s_ch + off * s_vcs + d * s_vcd, v.to(VC.dtype.element_ty))
 
 
 def store_kv(keys: torch.Tensor, values: torch.Tensor, page: torch.Tensor, offset: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor, key_scales: torch.Tensor | None = None,
              value_scales: torch.Tensor | None = None) -> None:
-    """k, v [N, Hkv, D] into keys/values [P, Hkv, page, D] (same strides) at (page[i], offset[i]);
+    """k, v [N, Hkv, D] into keys/values [P, Hkv, page, D] (values token- or dim-major, value_layout) at
+    (page[i], offset[i]);
     fp8 cache: quantised, each row's scale into key/value_scales [P, Hkv, page] (same strides)."""
     num, num_kv, dim = k.shape
-    if k.stride(-1) != 1 or v.stride(-1) != 1 or keys.stride() != values.stride():
-        raise ValueError("store_kv: head dim must be contiguous and keys/values laid out alike")
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("store_kv: head dim must be contiguous in k and v")
+    v_dim_major = value_layout(keys, values)
     fp8 = key_scales is not None
     if fp8 and key_scales.stride() != value_scales.stride():
         raise ValueError("store_kv: key/value scales must be laid out alike")
     ks, vs = (key_scales, value_scales) if fp8 else (page, page)       # unused without fp8
     _store_kv_kernel[(num, num_kv)](k, v, keys, values, ks, vs, page, offset, k.stride(0), k.stride(1), v.stride(0),
                                    v.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
-                                   ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0, D=dim, FP8=fp8,
-                                   num_warps=1)
+                                   ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0, values.stride(2),
+                                   values.stride(3), D=dim, FP8=fp8, num_warps=1)

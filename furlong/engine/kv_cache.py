@@ -9,6 +9,8 @@ write into (block_manager.py). With an fp8 cache (kv_fp8.py) each (page, layer,
 head) block of page_size x D fp8 values is followed by its page_size fp32
 scales (`KVLayout`): both are strided views of one byte buffer per K and V, so
 a page, scales included, is still the unit that is allocated, shared and copied.
+An fp8 V block is stored dim-major ([D, page]; `KVLayout.dim_major`): the views
+keep the [page, D] shape, so only the Triton kernels see the difference.
 
 The engine's forward (forward.py) calls `ctx.attend(layer, q, k, v)` with
 roped q [N, Hq, D] and k, v [N, Hkv, D], one row per token; the context
@@ -64,16 +66,26 @@ class KVLayout:
         """One page of K (or of V), every layer."""
         return self.num_layers * self.num_kv_heads * self.block_bytes
 
-    def views(self, buf: torch.Tensor, num_pages: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def dim_major(self, values: bool) -> bool:
+        """Whether a block's data is stored [D, page] (its [page, D] view strided (1, page)): an fp8
+        cache's values. The decode kernel's P.V dot reduces over a V tile's tokens; Triton 3.6 has no
+        transposing shared-memory load for 8-bit operands, so a token-major fp8 V tile reaches the
+        tensor cores one byte per load (128 LDS.U8 and their byte permutes per thread per tile in the
+        sm_90 SASS, a third of the loop's instructions); dim-major it is read like a K tile."""
+        return values and self.scaled
+
+    def views(self, buf: torch.Tensor, num_pages: int,
+              values: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """buf: uint8, at least num_pages * page_bytes -> (data [P, L, Hkv, page, D] in dtype, scales
-        [P, L, Hkv, page] float32 or None), strided views of buf."""
+        [P, L, Hkv, page] float32 or None), strided views of buf; `values`: the V buffer (dim_major)."""
         raw = buf[:num_pages * self.page_bytes]
         size = self.dtype.itemsize
         per = self.block_bytes // size           # elements per block
         lh = (self.num_layers * self.num_kv_heads, self.num_kv_heads)
         data = raw.view(self.dtype)
+        inner = (1, self.page_size) if self.dim_major(values) else (self.head_dim, 1)    # (token, dim) strides
         data = data.as_strided((num_pages, self.num_layers, self.num_kv_heads, self.page_size, self.head_dim),
-                               (lh[0] * per, lh[1] * per, per, self.head_dim, 1), data.storage_offset())
+                               (lh[0] * per, lh[1] * per, per, *inner), data.storage_offset())
         if not self.scaled:
             return data, None
         f32 = raw.view(torch.float32)

@@ -97,15 +97,21 @@ class ModelRunner:
             for buf in self.stable:
                 buf.map(num_pages * layout.page_bytes)
             max_pages = self.stable[0].max_bytes // layout.page_bytes
-            (keys, key_scales), (values, value_scales) = (layout.views(buf.tensor, max_pages) for buf in self.stable)
+            (keys, key_scales), (values, value_scales) = (layout.views(buf.tensor, max_pages, values=i == 1)
+                                                          for i, buf in enumerate(self.stable))
+            if layout.dim_major(values=True):
+                # the decode kernel reads a dim-major V tile whole, slots past a row's context too
+                # (times a zero probability): freshly mapped memory may hold e4m3 NaN bytes, which
+                # would survive that; written slots are always finite (~10 ms per 27 GB session)
+                self.stable[1].tensor[:num_pages * layout.page_bytes].zero_()
         else:
             self.graphs.clear()
             self.pool = None
             # zeros: the CPU reference attention reads whole pages (masked), and a NaN bit pattern
             # left in never-written memory would survive the mask (NaN * 0)
             (keys, key_scales), (values, value_scales) = (
-                layout.views(torch.zeros(num_pages * layout.page_bytes, dtype=torch.uint8, device=dev), num_pages)
-                for _ in range(2))
+                layout.views(torch.zeros(num_pages * layout.page_bytes, dtype=torch.uint8, device=dev), num_pages,
+                             values=i == 1) for i in range(2))
         self.cache = PagedKVCache(keys, values, key_scales, value_scales)
         self.kv_bytes = num_pages * self.page_bytes()
         self.cache.zero_page(0)        # the scratch page: padded rows read it, keep it finite
