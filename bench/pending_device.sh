@@ -22,7 +22,7 @@ call1)
     timeout -k 10 100 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=90 tests/test_offload_gpu.py \
         >"$OUT/offload_gpu.log" 2>&1; echo "== offload GPU tests: exit $?"; tail -3 "$OUT/offload_gpu.log" ;;
 call2)
-    timeout -k 10 150 python3 bench/decode_kernel_sweep.py --quick --warps 2,4 --stages 2 --batch 256,32 \
+    timeout -k 10 180 python3 bench/decode_kernel_sweep.py --quick --warps 1,2,4 --stages 2 --batch 256,32 \
         --context 640,4096 --kv bf16,fp8,fp8_vtok --out "$OUT" >"$OUT/kernel_sweep.log" 2>&1
     echo "== kernel sweep: exit $?"; sed -n '/^best per/,$p' "$OUT/kernel_sweep.log"
     timeout -k 10 80 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=70 tests/test_kv_fp8_gpu.py \
