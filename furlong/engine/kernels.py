@@ -21,7 +21,9 @@ paged_decode_attention  one query token per row over its paged KV (flash-decodin
     Triton 3.6 has no transposing shared-memory load for 8-bit dot operands, and a token-major V tile
     reached the P.V dot one byte per load (sm_90 SASS, compiled offline: 128 LDS.U8 and their byte
     permutes per thread per tile); dim-major, its loads are 16 bytes wide and unmasked and it reaches
-    the dot through ldmatrix: the loop body per warp 1,363 -> 906 instructions, 255 -> 202 registers.
+    the dot through ldmatrix: the loop body per warp 1,363 -> 906 instructions, 255 -> 202 registers;
+    measured on an H100, 1.11x per layer at B=256 x 4096 (2.60 -> 2.88 TB/s) and the long rollout
+    76.4 -> 69.1 s (BENCHMARKS.md session 17). It is still below bf16's 3.07 TB/s: not profiled.
 store_kv  each new token's k and v into its (page, offset) slot, one program per
     (token, kv head): one launch per layer instead of two generic index_put kernels;
     for an fp8 cache it quantises the row with its absmax scale (kv_fp8.py).
@@ -197,16 +199,18 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     if page % block_n or dim & (dim - 1):
         raise ValueError(f"paged_decode_attention: page {page} must be a multiple of {block_n}, head_dim a power of 2")
     fp8 = key_scales is not None
+    v_dim_major = value_layout(keys, values)
     # measured on an H200 (bench/decode_kernel_sweep.py): an fp8 tile's program is latency-bound, and
     # 2 warps run it 1.3-1.5x faster than 4 (B=256 at 4096 tokens: 0.85 against 1.26 ms per layer;
-    # bf16 0.94 ms, where 2 and 4 warps tie); bf16 keeps 4
-    num_warps = num_warps or (2 if fp8 else 4)
+    # bf16 0.94 ms, where 2 and 4 warps tie); bf16 keeps 4. With V dim-major 1 warp is faster still at
+    # each engine setting swept (an H100, 2026-12-06: 0.741 against 0.769 ms at B=256 x 4096, 0.020
+    # against 0.023 ms at B=32 x 640; BENCHMARKS.md session 17)
+    num_warps = num_warps or (4 if not fp8 else 1 if v_dim_major else 2)
     # V's load issued beside K's: fp8 0.848 against 0.902 ms at B=256 x 4096, 0.144 against 0.154 at x 640
     # (an H100, 2026-12-05); bf16 ties either way and keeps V's load after the softmax
     early_v = fp8 if early_v is None else early_v
     if fp8 and (key_scales.stride() != value_scales.stride() or key_scales.stride(-1) != 1):
         raise ValueError("paged_decode_attention: key/value scales must be laid out alike, tokens contiguous")
-    v_dim_major = value_layout(keys, values)
     ks, vs = (key_scales, value_scales) if fp8 else (context_lens, context_lens)   # unused without fp8
     out = torch.empty_like(q)
     cascade = prefix is not None
