@@ -7,7 +7,8 @@
 #        re-run of the CPU reference's GPU test (it failed its allocator reading on an H100 in session 15)
 # call2  the fp8 decode kernel with V stored dim-major (session 17) against token-major V and bf16, one layer;
 #        the fp8 GPU tests; the long rollout with fp8 KV (issue 21: <= 40 s)
-# call3  the long rollout with bf16 KV (beside call2's fp8 on the same warm machine), the decode probe with both
+# call3  the long rollout's time split into fixed, per-row and attention costs (bench/rollout_time_split.py,
+#        fp8 and bf16 KV: the bf16 rollout beside call2's fp8), the decode probe with both
 # call4  the GPU demo, 100 rollouts: full-parameter bf16, --lora-rank 64 (issue 20), fp8 KV (issue 21);
 #        VARIANTS="full fp8" picks some (all three can run past one call's 600 s: split them over two calls)
 # call2-call4 ran on an H100 in session 17 (BENCHMARKS.md), with fp8's kernel at 2 warps; the engine now
@@ -32,7 +33,11 @@ call2)
         >"$OUT/kv_fp8_gpu.log" 2>&1; echo "== fp8 GPU tests: exit $?"; tail -3 "$OUT/kv_fp8_gpu.log"
     bash bench/bigger_models.sh long-fp8-only ;;
 call3)
-    bash bench/bigger_models.sh long-bf16 decode-fp8 ;;
+    # where the long rollout's time goes, fp8 then bf16 (two rollouts each: ~150 s fp8, ~210 s bf16 on an H100)
+    timeout -k 10 420 python3 bench/rollout_time_split.py --workload bench/long_workload.json \
+        --kv-dtype fp8_e4m3,bf16 --out "$OUT" >"$OUT/rollout_time_split.log" 2>&1
+    echo "== rollout time split: exit $?"; grep -E "s = fixed|first rollout|Error" "$OUT/rollout_time_split.log"
+    bash bench/bigger_models.sh decode-fp8 ;;
 call4)
     # the GPU preset cut to 100 rollouts (300 took 350 s on an H200, SFT included; 100 about 155-165 s on an
     # H100, and the first in a call ran past 170 s in session 17), the baseline beside both

@@ -1,0 +1,171 @@
+"""Where a rollout's time goes (device): every engine step timed, fitted as fixed + per-row + per-token costs.
+
+The bench's rollout part (forced lengths, random weights) run once to capture every batch bucket's
+graphs, then again with each engine step's counters read around it (EngineStats: decode steps, rows,
+attended context tokens, seconds; every step ends in a host sync, so its wall time is its device time
+plus the host's scheduling). The decode windows are fitted by least squares as
+
+    seconds per decode step = a + b * padded rows + c * attended tokens
+
+a: the step's fixed cost (kernel launches and latencies of 28 layers, the host's share); b: what each
+(bucket-padded) row adds (matmul rows, sampler, KV write); c: attention, whose implied bandwidth is
+the KV bytes per token / c. Summed over the run's steps they split its seconds three ways. A fit, not
+a profile: it says which of the three terms to attack (issue 21's long rollout: 69 s on an H100,
+~46 s of it attention by arithmetic; the rest unexplained).
+
+    python3 bench/rollout_time_split.py [--workload bench/long_workload.json] [--kv-dtype fp8_e4m3,bf16]
+        [--out DIR]       -> rollout_time_split.json, rollout_time_split.png
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class StepSample:
+    """One engine step that ran a decode window (a prefill mixed behind it included)."""
+    num_steps: int          # decode steps in the window
+    num_rows: int           # running rows
+    padded_rows: int        # the batch bucket the window's graphs ran at
+    context_tokens: int     # tokens attended per step, summed over rows (mean over the window)
+    seconds: float          # the engine step's wall time
+    prefill: bool           # a prefill ran in the same step
+
+
+@dataclass
+class TimeSplit:
+    fixed_ms_per_step: float
+    ms_per_row: float
+    ns_per_context_token: float
+    implied_attention_tb_s: float | None    # None: the fit gave attention no positive cost
+    r2: float
+    seconds: float          # all steps' seconds (prefill-only steps included)
+    fixed_s: float
+    rows_s: float
+    attention_s: float
+    residual_s: float       # seconds - the three terms (prefill-only steps, misfit)
+
+
+def fit_time_split(samples: list[StepSample], kv_bytes_per_token: float, other_seconds: float = 0.0) -> TimeSplit:
+    """Least squares over the decode windows, each weighted by its number of steps."""
+    dec = [s for s in samples if s.num_steps > 0]
+    if len(dec) < 3:
+        raise ValueError(f"rollout_time_split: {len(dec)} decode windows, need at least 3 to fit three costs")
+    w = torch.tensor([s.num_steps for s in dec], dtype=torch.float64)
+    x = torch.tensor([[1.0, s.padded_rows, s.context_tokens] for s in dec], dtype=torch.float64)
+    y = torch.tensor([s.seconds / s.num_steps for s in dec], dtype=torch.float64)
+    sw = w.sqrt()[:, None]
+    coef = torch.linalg.lstsq(x * sw, y[:, None] * sw).solution[:, 0]
+    pred = x @ coef
+    mean = (w * y).sum() / w.sum()
+    r2 = 1 - float((w * (y - pred) ** 2).sum() / (w * (y - mean) ** 2).sum().clamp_min(1e-30))
+    a, b, c = (float(v) for v in coef)
+    steps = float(w.sum())
+    fixed_s, rows_s = a * steps, b * float((w * x[:, 1]).sum())
+    attention_s = c * float((w * x[:, 2]).sum())
+    total = sum(s.seconds for s in samples) + other_seconds
+    return TimeSplit(fixed_ms_per_step=a * 1e3, ms_per_row=b * 1e3, ns_per_context_token=c * 1e9,
+                     implied_attention_tb_s=kv_bytes_per_token / c / 1e12 if c > 0 else None, r2=r2,
+                     seconds=total, fixed_s=fixed_s, rows_s=rows_s, attention_s=attention_s,
+                     residual_s=total - fixed_s - rows_s - attention_s)
+
+
+def traced_generate(engine, requests) -> list[StepSample]:
+    """engine.generate's loop with each step's counters read around it."""
+    for r in requests:
+        engine.add(r)
+    buckets = engine.runner.buckets
+    out = []
+    while engine.has_work():
+        st = engine.stats
+        before = (st.num_decode_steps, st.num_decode_rows, st.num_context_tokens, st.seconds, st.num_prefill_steps)
+        engine.step()
+        steps, rows, ctx = (st.num_decode_steps - before[0], st.num_decode_rows - before[1],
+                            st.num_context_tokens - before[2])
+        num_rows = rows // steps if steps else 0
+        padded = buckets[bisect.bisect_left(buckets, num_rows)] if engine.runner.use_cuda_graphs and steps else num_rows
+        out.append(StepSample(num_steps=steps, num_rows=num_rows, padded_rows=padded,
+                              context_tokens=ctx // steps if steps else 0, seconds=st.seconds - before[3],
+                              prefill=st.num_prefill_steps > before[4]))
+    return out
+
+
+def tb_s(f: TimeSplit) -> str:
+    return "n/a TB/s" if f.implied_attention_tb_s is None else f"{f.implied_attention_tb_s:.2f} TB/s"
+
+
+def plot(samples_by_kv: dict[str, list[StepSample]], splits: dict[str, TimeSplit], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for kv, samples in samples_by_kv.items():
+        f = splits[kv]
+        t, xs, ys, fit = 0, [], [], []
+        for s in samples:
+            if s.num_steps:
+                xs.append(t)
+                ys.append(s.seconds / s.num_steps * 1e3)
+                fit.append(f.fixed_ms_per_step + f.ms_per_row * s.padded_rows + f.ns_per_context_token * 1e-6 * s.context_tokens)
+            t += s.num_steps
+        line, = ax.plot(xs, ys, lw=0.8, label=f"{kv}: measured ({f.seconds:.1f} s)")
+        ax.plot(xs, fit, lw=1.5, ls="--", color=line.get_color(),
+                label=f"{kv}: fit {f.fixed_ms_per_step:.2f} ms + rows + attention at {tb_s(f)}")
+    ax.set_xlabel("decode step")
+    ax.set_ylabel("ms per decode step")
+    ax.set_title("Rollout: time per decode step and its fit (fixed + per row + per attended token)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    from furlong.bench.generation_parts import _rollout_requests, make_engine
+    from furlong.bench.state import Bench
+    from furlong.bench.workload import load_workload
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workload", default="bench/long_workload.json")
+    ap.add_argument("--kv-dtype", default="fp8_e4m3,bf16")
+    ap.add_argument("--out", default=".")
+    a = ap.parse_args()
+    w = load_workload(a.workload)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    samples_by_kv, splits, report = {}, {}, {}
+    for kv in a.kv_dtype.split(","):
+        b = Bench(w, kv_dtype=kv)
+        g = torch.Generator().manual_seed(b.seed + 2)
+        prompts = [torch.randint(0, b.args.vocab_size, (p,), generator=g).tolist() for p in w.prompt_lens]
+        engine = make_engine(b, max(w.prompt_lens) + max(w.response_lens))
+        started = time.perf_counter()
+        engine.generate(_rollout_requests(b, prompts, seed=1))       # every bucket's graphs captured
+        engine.release()
+        print(f"{kv}: first rollout {time.perf_counter() - started:.1f} s (graph captures)", flush=True)
+        engine.reset_stats()
+        samples = traced_generate(engine, _rollout_requests(b, prompts, seed=0))
+        engine.release()
+        per_token = engine.runner.page_bytes() / engine.runner.page_size
+        split = fit_time_split(samples, per_token)
+        samples_by_kv[kv], splits[kv] = samples, split
+        report[kv] = dict(split=asdict(split), kv_bytes_per_token=per_token, steps=[asdict(s) for s in samples])
+        print(f"{kv}: {split.seconds:.1f} s = fixed {split.fixed_s:.1f} ({split.fixed_ms_per_step:.3f} ms/step) "
+              f"+ rows {split.rows_s:.1f} ({split.ms_per_row * 1e3:.2f} us/row) + attention {split.attention_s:.1f} "
+              f"(at {tb_s(split)}) + residual {split.residual_s:.1f}; R^2 {split.r2:.3f}",
+              flush=True)
+        del engine, b
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    (out / "rollout_time_split.json").write_text(json.dumps(report))
+    plot(samples_by_kv, splits, out / "rollout_time_split.png")
+    print(f"wrote {out / 'rollout_time_split.json'} and {out / 'rollout_time_split.png'}")
+
+
+if __name__ == "__main__":
+    main()
