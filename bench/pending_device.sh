@@ -5,14 +5,14 @@
 #   bash bench/pending_device.sh call1|call2|call3|call4
 # call1  (an H200) Qwen3-8B full-parameter with --optimizer-cpu-offload (issue 20: trains, step time); the
 #        re-run of the CPU reference's GPU test (it failed its allocator reading on an H100 in session 15)
-# call2  the fp8 decode kernel with V stored dim-major (session 17) against token-major V and bf16, one layer;
-#        the fp8 GPU tests; the long rollout with fp8 KV (issue 21: <= 40 s)
-# call3  the long rollout's time split into fixed, per-row and attention costs (bench/rollout_time_split.py,
-#        fp8 and bf16 KV: the bf16 rollout beside call2's fp8), the decode probe with both
+# call2  the decode kernel, one layer: fp8 at 1/2/4 warps with V dim-major (session 17) against token-major V
+#        and bf16; the head-packed fp8 experiment (bench/decode_packed_kernel.py) against it; the fp8 GPU tests
+# call3  the long rollout with fp8 and bf16 KV (issue 21: <= 40 s), each split into fixed, per-row and
+#        attention costs (bench/rollout_time_split.py); the decode probe with both
 # call4  the GPU demo, 100 rollouts: full-parameter bf16, --lora-rank 64 (issue 20), fp8 KV (issue 21);
 #        VARIANTS="full fp8" picks some (all three can run past one call's 600 s: split them over two calls)
-# call2-call4 ran on an H100 in session 17 (BENCHMARKS.md), with fp8's kernel at 2 warps; the engine now
-# launches it with 1: call2 again measures that, on an H200 the issue's own figures.
+# Their session-17 forms ran on an H100 (BENCHMARKS.md), with fp8's kernel at 2 warps; the engine now
+# launches it with 1. On an H200 they give the issue's own figures.
 # Measured in session 15 and dropped from here: the mixed-step GPU test and multi-turn (1.20x), the long
 # RL step with and without --partial-rollout (1.25x), the GPU tests, the seed step (H100).
 # Everything lands in $OUT (logs, JSON, plots); each piece is bounded by `timeout`.
@@ -29,9 +29,12 @@ call2)
     timeout -k 10 180 python3 bench/decode_kernel_sweep.py --quick --warps 1,2,4 --stages 2 --batch 256,32 \
         --context 640,4096 --kv bf16,fp8,fp8_vtok --out "$OUT" >"$OUT/kernel_sweep.log" 2>&1
     echo "== kernel sweep: exit $?"; sed -n '/^best per/,$p' "$OUT/kernel_sweep.log"
-    timeout -k 10 80 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=70 tests/test_kv_fp8_gpu.py \
-        >"$OUT/kv_fp8_gpu.log" 2>&1; echo "== fp8 GPU tests: exit $?"; tail -3 "$OUT/kv_fp8_gpu.log"
-    bash bench/bigger_models.sh long-fp8-only ;;
+    timeout -k 10 180 python3 bench/decode_packed_kernel.py --block-n 16,32 --warps 1,2 --stages 2 \
+        --out "$OUT" >"$OUT/packed_kernel.log" 2>&1
+    echo "== packed kernel sweep: exit $?"; sed -n '/^best packed/,$p' "$OUT/packed_kernel.log"; grep -c error "$OUT/packed_kernel.log"
+    timeout -k 10 120 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=100 tests/test_kv_fp8_gpu.py \
+        tests/test_decode_packed_kernel.py >"$OUT/kv_fp8_gpu.log" 2>&1; echo "== fp8 GPU tests: exit $?"
+    tail -3 "$OUT/kv_fp8_gpu.log" ;;
 call3)
     # where the long rollout's time goes, fp8 then bf16 (two rollouts each: ~150 s fp8, ~210 s bf16 on an H100)
     timeout -k 10 420 python3 bench/rollout_time_split.py --workload bench/long_workload.json \
