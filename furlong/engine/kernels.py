@@ -204,8 +204,9 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     # 2 warps run it 1.3-1.5x faster than 4 (B=256 at 4096 tokens: 0.85 against 1.26 ms per layer;
     # bf16 0.94 ms, where 2 and 4 warps tie); bf16 keeps 4. With V dim-major 1 warp is faster still at
     # each engine setting swept (an H100, 2026-12-06: 0.741 against 0.769 ms at B=256 x 4096, 0.020
-    # against 0.023 ms at B=32 x 640; BENCHMARKS.md session 17)
-    num_warps = num_warps or (4 if not fp8 else 1 if v_dim_major else 2)
+    # against 0.023 ms at B=32 x 640; BENCHMARKS.md session 17); the sweep had no cascade groups, whose
+    # programs keep the 2 warps they were measured and tested with
+    num_warps = num_warps or (4 if not fp8 else 1 if v_dim_major and prefix is None else 2)
     # V's load issued beside K's: fp8 0.848 against 0.902 ms at B=256 x 4096, 0.144 against 0.154 at x 640
     # (an H100, 2026-12-05); bf16 ties either way and keeps V's load after the softmax
     early_v = fp8 if early_v is None else early_v
