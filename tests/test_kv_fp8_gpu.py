@@ -159,3 +159,28 @@ def test_engine_vs_trainer_log_prob_gap_bf16_and_fp8_kv():
         gaps[kv] = torch.cat(diffs).mean().item()
     print(f"engine-vs-trainer mean |log-prob gap|: bf16 KV {gaps['bf16']:.5f}, fp8 KV {gaps['fp8_e4m3']:.5f}")
     assert gaps["bf16"] <= 0.01 and gaps["fp8_e4m3"] <= 0.05
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the whole engine on CUDA")
+@torch.inference_mode()
+def test_fp8_value_cache_is_zeroed_when_mapped():
+    """The decode kernel reads a dim-major V tile whole, past a row's context too: a session's V cache
+    must hold no e4m3 NaN bytes (0x7F) left from before, or they would reach the output (NaN * 0)."""
+    from furlong.engine import Engine, EngineConfig, Request, SamplingParams
+    from test_engine_gpu import NullTok, small_model
+    model = small_model(torch.bfloat16, layers=2, std=0.02, embed_std=0.1)
+    eng = Engine(model, NullTok(), [], EngineConfig(max_model_len=400, max_num_seqs=8, kv_dtype="fp8_e4m3"))
+    reqs = lambda: [Request(i, list(range(5 + 30 * i, 40 + 37 * i)), SamplingParams(temperature=0.0, max_new_tokens=70,  # noqa: E731
+                                                                                 ignore_eos=True)) for i in range(3)]
+    first = eng.generate(reqs())
+    mapped = eng.runner.kv_bytes // 2 // eng.runner.layout.page_bytes
+    eng.runner.cache.values[:mapped].view(torch.uint8).fill_(0x7F)     # stale NaN bytes in every V slot
+    eng.release()
+    for r in reqs():
+        eng.add(r)                                                      # a new session maps the cache
+    assert int(eng.runner.cache.values[:mapped].view(torch.uint8).count_nonzero()) == 0
+    again = {}
+    while eng.has_work():
+        again.update({c.request_id: c for c in eng.step()})
+    assert [again[i].token_ids for i in range(3)] == [c[0].token_ids for c in first]
+    assert all(torch.isfinite(torch.tensor(again[i].log_probs)).all() for i in range(3))
