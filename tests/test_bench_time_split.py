@@ -44,7 +44,7 @@ def test_traced_generate_counts_every_step_of_a_tiny_rollout(tmp_path):
     from furlong.bench.generation_parts import _rollout_requests, make_engine
     from furlong.bench.state import Bench
     from furlong.bench.workload import load_workload
-    from tests.test_bench import tiny_workload
+    from test_bench import tiny_workload
     path = tmp_path / "w.json"
     path.write_text(json.dumps(tiny_workload()))
     w = load_workload(path)
@@ -61,7 +61,7 @@ def test_traced_generate_counts_every_step_of_a_tiny_rollout(tmp_path):
 
 def test_script_writes_the_split_and_its_plot(tmp_path):
     import subprocess
-    from tests.test_bench import tiny_workload
+    from test_bench import tiny_workload
     w = tiny_workload()
     w["rollout"].update(max_response_len=64, response_lens=[40, 60, 20, 50, 30, 45])   # several 16-step windows
     path = tmp_path / "w.json"

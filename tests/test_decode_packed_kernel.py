@@ -32,7 +32,7 @@ def packed_module():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_splits,block_n", [(1, 16), (3, 16), (8, 16), (2, 32)])
 def test_packed_kernel_matches_dequantised_reference(dtype, num_splits, block_n):
-    from tests.test_kv_fp8_gpu import fp8_cache, rel_err
+    from test_kv_fp8_gpu import fp8_cache, rel_err
 
     from furlong.engine.kv_cache import decode_attention_reference
     rows, hq, hkv, d, page, pages, longest = SHAPE
@@ -52,7 +52,7 @@ def test_packed_kernel_matches_dequantised_reference(dtype, num_splits, block_n)
 
 
 def test_packed_kernel_refuses_token_major_values():
-    from tests.test_kv_fp8_gpu import fp8_cache
+    from test_kv_fp8_gpu import fp8_cache
     rows, hq, hkv, d, page, pages, _ = SHAPE
     g = torch.Generator(device=DEV).manual_seed(0)
     keys, values, ks, vs = fp8_cache(pages, hkv, page, d, g, v_dim_major=False)
