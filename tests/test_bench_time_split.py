@@ -27,11 +27,12 @@ def test_fit_recovers_fixed_row_and_token_costs():
         steps = 16 if i % 5 else 7
         samples.append(rts.StepSample(steps, rows, rows, ctx, steps * (a + b * rows + c * ctx), False))
     samples.append(rts.StepSample(0, 0, 0, 0, 0.25, True))            # a prefill-only step: the residual
+    samples.append(rts.StepSample(16, 64, 64, 64 * 900, 0.5, False, captured=True))   # a capture: residual too
     f = rts.fit_time_split(samples, kv_bytes_per_token=59136)
     assert f.fixed_ms_per_step == pytest.approx(1.5, rel=1e-6) and f.ms_per_row == pytest.approx(2e-3, rel=1e-6)
     assert f.ns_per_context_token == pytest.approx(4.0, rel=1e-6) and f.r2 == pytest.approx(1.0)
     assert f.implied_attention_tb_s == pytest.approx(59136 / 4e-9 / 1e12)
-    assert f.residual_s == pytest.approx(0.25, abs=1e-9)
+    assert f.residual_s == pytest.approx(0.75, abs=1e-9)
     assert f.fixed_s + f.rows_s + f.attention_s + f.residual_s == pytest.approx(f.seconds)
 
 
@@ -57,6 +58,7 @@ def test_traced_generate_counts_every_step_of_a_tiny_rollout(tmp_path):
     assert sum(s.num_steps * s.num_rows for s in samples) == stats.num_decode_rows
     assert sum(s.seconds for s in samples) == pytest.approx(stats.seconds)
     assert any(s.prefill for s in samples) and all(s.padded_rows == s.num_rows for s in samples)   # CPU: no buckets
+    assert not any(s.captured for s in samples)                         # nor graphs
 
 
 def test_script_writes_the_split_and_its_plot(tmp_path):
