@@ -16,9 +16,10 @@ rescaled once per tile (alpha * c_old / c_new) inside the dot's accumulate, not 
 
 fp8 only, V dim-major (the engine's layout), row programs only (no cascade groups), splits over the KV
 length with the engine's combine kernel. Not used by the engine: its sweep decides (next device call).
-    python3 bench/decode_packed_kernel.py [--batch 256,32] [--context 640,4096] [--out DIR]
+    python3 bench/decode_packed_kernel.py [--batch 256,32] [--context 640,4096] [--out DIR] [--rollout W]
 writes DIR/decode_packed_kernel.json: per (batch, context) the engine kernel's time and each packed
-setting's (block_n, warps, stages, splits), with its largest difference from the engine kernel's output.
+setting's (block_n, warps, stages, splits), with its largest difference from the engine kernel's output;
+--rollout W then runs the bench's rollout part on workload W with each kernel (rollout_fp8_*.json).
 """
 from __future__ import annotations
 
@@ -146,6 +147,9 @@ def main() -> None:
     ap.add_argument("--warps", default="1,2,4")
     ap.add_argument("--stages", default="2,3")
     ap.add_argument("--out", default=".")
+    ap.add_argument("--rollout", default=None, metavar="WORKLOAD",
+                    help="then time `furlong bench --parts rollout` on this workload with fp8 KV twice: the engine's "
+                         "kernel, then the packed one at the sweep's best setting for B=256 at the longest context")
     a = ap.parse_args()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -186,6 +190,38 @@ def main() -> None:
               f"stages {best['stages']} splits {best['splits']}; max diff {best['max_diff_vs_engine']:.2e}")
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "decode_packed_kernel.json").write_text(json.dumps(results, indent=1))
+    if a.rollout:
+        ok = [r for r in results if "ms" in r]
+        top = max(r["batch"] for r in ok)
+        longest = max(r["context"] for r in ok if r["batch"] == top)
+        best = min((r for r in ok if r["batch"] == top and r["context"] == longest), key=lambda r: r["ms"])
+        rollout_side_by_side(a.rollout, Path(a.out), best)
+
+
+def rollout_side_by_side(workload: str, out: Path, setting: dict) -> None:
+    """The bench's rollout part with fp8 KV twice: the engine's kernel, then the packed one patched into
+    the engine's attention call where it applies (no cascade groups, dim-major fp8 values), with
+    `setting`'s block_n and warps and its programs per row scaled to the batch: splits = the power of two
+    nearest above setting's rows x splits / rows, at most 64."""
+    import furlong.engine.kernels as kernels
+    from furlong.bench import run_bench
+    engine_kernel = kernels.paged_decode_attention
+    programs = setting["batch"] * setting["splits"]
+
+    def patched(q, keys, values, block_tables, context_lens, num_splits, **kw):
+        if kw.get("prefix") is not None or kw.get("key_scales") is None or q.shape[1] < 16:
+            return engine_kernel(q, keys, values, block_tables, context_lens, num_splits, **kw)
+        splits = min(64, 1 << (max(1, -(-programs // q.shape[0])) - 1).bit_length())
+        return packed_decode_attention(q, keys, values, block_tables, context_lens, splits, kw["key_scales"],
+                                       kw["value_scales"], block_n=setting["block_n"], num_warps=setting["warps"],
+                                       num_stages=setting["stages"])
+    for name, fn in (("engine", engine_kernel), ("packed", patched)):
+        kernels.paged_decode_attention = fn      # kv_cache.DecodeContext.attend looks it up at each call
+        try:
+            print(f"[packed] rollout with the {name} kernel {setting if name == 'packed' else ''}", flush=True)
+            run_bench(workload, str(out / f"rollout_fp8_{name}.json"), "rollout", "fp8_e4m3")
+        finally:
+            kernels.paged_decode_attention = engine_kernel
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 # The device measurements still owed by the open issues (as of session 17), batched into device calls
 # whose pieces' timeouts add up to <= 560 s, most important first (a session's 30 device minutes hold
 # about three, fewer when starts fail):
-#   bash bench/pending_device.sh call1|call2|call3|call4
+#   bash bench/pending_device.sh call1|call2|call3|call4|call5
 # call1  (an H200) Qwen3-8B full-parameter with --optimizer-cpu-offload (issue 20: trains, step time); the
 #        re-run of the CPU reference's GPU test (it failed its allocator reading on an H100 in session 15)
 # call2  the decode kernel, one layer: fp8 at 1/2/4 warps with V dim-major (session 17) against token-major V
@@ -11,6 +11,8 @@
 #        attention costs (bench/rollout_time_split.py); the decode probe with both
 # call4  the GPU demo, 100 rollouts: full-parameter bf16, --lora-rank 64 (issue 20), fp8 KV (issue 21);
 #        VARIANTS="full fp8" picks some (all three can run past one call's 600 s: split them over two calls)
+# call5  the head-packed fp8 kernel in the long rollout beside the engine's kernel (worth a call once call2
+#        shows it faster per layer)
 # Their session-17 forms ran on an H100 (BENCHMARKS.md), with fp8's kernel at 2 warps; the engine now
 # launches it with 1. On an H200 they give the issue's own figures.
 # Measured in session 15 and dropped from here: the mixed-step GPU test and multi-turn (1.20x), the long
@@ -56,5 +58,12 @@ call4)
         python3 -c "import json, sys; g = json.load(open(sys.argv[1]))['rollout_logprob_abs_diff']; \
 print('mean |trainer - engine| log-prob', round(sum(v for _, v in g) / max(1, len(g)), 5))" "$OUT/demo_${v}_evals.json"
     done ;;
-*) echo "usage: bash bench/pending_device.sh call1|call2|call3|call4"; exit 2 ;;
+call5)
+    # the head-packed kernel in the long rollout beside the engine's (the bench's rollout part twice, fp8 KV;
+    # ~150 s each on an H100), at its best setting for B=256 x 4096 from a short sweep
+    FURLONG_BENCH_GUARD_S=270 timeout -k 10 560 python3 bench/decode_packed_kernel.py --batch 256 --context 4096 \
+        --block-n 16,32 --warps 1,2 --stages 2 --rollout bench/long_workload.json --out "$OUT" \
+        >"$OUT/packed_rollout.log" 2>&1; echo "== packed kernel rollout: exit $?"
+    grep -E "^\[packed\]|^rollout +(seconds|status)|  B=" "$OUT/packed_rollout.log" ;;
+*) echo "usage: bash bench/pending_device.sh call1|call2|call3|call4|call5"; exit 2 ;;
 esac
