@@ -4,15 +4,15 @@ One layer of a Qwen3-0.6B-shaped cache (16 query heads, 8 KV heads, head_dim 128
 the engine's page layout from kv_cache.KVLayout with 4 layers interleaved, pages in random order),
 B rows at one context length; each setting is timed over CUDA-graph replays (median of 5 x 20)
 and reported with the bandwidth it reaches over the K/V (+ scale) bytes it must read. fp8 V is
-stored dim-major as the engine does (kv_cache.KVLayout.dim_major; `fp8_vtok`: token-major, as
-before 2026-12-06). The engine's own setting is block_n 64, num_warps 4 (bf16) or 2 (fp8), V's load beside K's for fp8,
-num_stages 2 and the split count of ModelRunner.num_splits. Tried and dropped (slower, 2026-12-04):
+stored dim-major as the engine does (kv_cache.KVLayout.dim_major; `fp8_vtok`: token-major, the
+earlier layout). The engine's own setting is block_n 64, num_warps 4 (bf16) or 2 (fp8), V's load beside K's for fp8,
+num_stages 2 and the split count of ModelRunner.num_splits. Tried and dropped (slower):
 Q quantised to e4m3 for an fp8 x fp8 Q.K^T dot (no faster, 5x the output error), and K/V tiles dequantised in registers
 before the dots (6x slower); e4m3 widened to fp16 where loaded by an inline-PTX convert, so the dots read
-fp16 with ldmatrix (0.935 against 0.836 ms at B=256 x 4096 on an H100, 2026-12-05); the rows' own splits on
+fp16 with ldmatrix (0.935 against 0.836 ms at B=256 x 4096 on an H100); the rows' own splits on
 CUDA cores, no tl.dot (each program's GQA group as [G, 1, D] against [1, N, D] tiles, fp32 multiplies and
 reductions: only the useful products, no shared-memory round trip), fp8 0.874x the engine kernel's speed
-at its best setting and bf16 even (an H100, 2026-12-06; bench/decode_fma_kernel.py at commit f15a330).
+at its best setting and bf16 even (an H100; bench/decode_fma_kernel.py at commit f15a330).
 
     python3 bench/decode_kernel_sweep.py [--batch 256,64] [--context 640,4096] [--warps 2,4,8] [--stages 1,2,3,4]
         [--quick] [--out DIR]
@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--warps", default="2,4,8")
     ap.add_argument("--stages", default="1,2,3,4")
     ap.add_argument("--kv", default="bf16,fp8,fp8_vtok",
-                    help="bf16; fp8 (the engine's layout: V dim-major); fp8_vtok (V token-major, before 2026-12-06)")
+                    help="bf16; fp8 (the engine's layout: V dim-major); fp8_vtok (V token-major, the earlier layout)")
     a = ap.parse_args()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(0)

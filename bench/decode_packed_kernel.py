@@ -33,7 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from furlong.engine.kernels import _combine_kernel, value_layout
+from furlong.engine.kernels import _combine_kernel
+from furlong.engine.kv_cache import value_layout
 
 
 @triton.jit

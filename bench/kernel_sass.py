@@ -4,7 +4,8 @@ Triton compiles to PTX on any machine and its wheel bundles ptxas and cuobjdump,
 kernel variant issues per KV tile can be read before a device call is spent on it. The runtime
 specialises pointers and strides divisible by 16 (their loads vectorise); the same hints are given here
 by hand. Prints the register use and, for the kernel's KV-tile loop (the backward branch's body), the
-instructions per warp by opcode. How the fp8 V layout was found (BENCHMARKS.md, session 17).
+instructions per warp by opcode. It showed a token-major fp8 V tile read one byte per load (128 LDS.U8
+per thread per tile), the reason the engine stores fp8 V dim-major.
 
     pip install --no-deps --target /tmp/tri triton==3.6.0        # CPU machine: not a furlong dependency
     PYTHONPATH=/tmp/tri:. python3 bench/kernel_sass.py [--kv fp8|fp8_vtok|bf16] [--warps 1] [--stages 2]
@@ -60,7 +61,7 @@ def loop_opcodes(sass: str) -> tuple[int, collections.Counter]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kv", default="fp8", choices=("fp8", "fp8_vtok", "bf16"),
-                    help="fp8: V dim-major (the engine's); fp8_vtok: V token-major (before session 17)")
+                    help="fp8: V dim-major (the engine's); fp8_vtok: V token-major (the earlier layout)")
     ap.add_argument("--warps", type=int, default=1)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--block-n", type=int, default=64)

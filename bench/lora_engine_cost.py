@@ -1,7 +1,7 @@
 """LoRA in the engine: adapters merged into its weights at each sync, or applied in its forward? (device)
 
 Issue 20 asks to measure which is faster. furlong merges (weight_sync sends W + s*B*A into the engine's
-copy: one cost per rollout, 0.127 s at the Qwen3-8B shape in session 8). Applying them in the forward
+copy: one cost per rollout, 0.127 s at the Qwen3-8B shape on an H200). Applying them in the forward
 instead adds, to every projection of every decode step, x @ A^T then @ B^T; this script times exactly
 that difference on the projections of a decode step, with nothing else in the way: the engine's fused
 matmuls (qkv, o, gate|up, down) of all layers for B rows, CUDA-graphed, with and without the adapter

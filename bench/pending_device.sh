@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The device measurements still owed by the open issues (as of session 17), batched into device calls
+# The device measurements still owed by the open issues, batched into device calls
 # whose pieces' timeouts add up to <= 560 s, most important first (a session's 30 device minutes hold
 # about three, fewer when starts fail):
 #   bash bench/pending_device.sh call1|call2|call3|call4|call5
 # call1  (an H200) Qwen3-8B full-parameter with --optimizer-cpu-offload (issue 20: trains, step time); the
-#        re-run of the CPU reference's GPU test (it failed its allocator reading on an H100 in session 15)
-# call2  the decode kernel, one layer: fp8 at 1/2/4 warps with V dim-major (session 17) against token-major V
+#        re-run of the CPU reference's GPU test (its last GPU run failed an allocator reading, since fixed)
+# call2  the decode kernel, one layer: fp8 at 1/2/4 warps with V dim-major against token-major V
 #        and bf16; the head-packed fp8 experiment (bench/decode_packed_kernel.py) against it; the fp8 GPU tests
 # call3  the long rollout with fp8 and bf16 KV (issue 21: <= 40 s), each split into fixed, per-row and
 #        attention costs (bench/rollout_time_split.py); the decode probe with both
@@ -13,10 +13,10 @@
 #        VARIANTS="full fp8" picks some (all three can run past one call's 600 s: split them over two calls)
 # call5  the head-packed fp8 kernel in the long rollout beside the engine's kernel (worth a call once call2
 #        shows it faster per layer)
-# Their session-17 forms ran on an H100 (BENCHMARKS.md), with fp8's kernel at 2 warps; the engine now
+# call2-call4's earlier forms ran on an H100 with fp8's kernel at 2 warps (BENCHMARKS.md); the engine now
 # launches it with 1. On an H200 they give the issue's own figures.
-# Measured in session 15 and dropped from here: the mixed-step GPU test and multi-turn (1.20x), the long
-# RL step with and without --partial-rollout (1.25x), the GPU tests, the seed step (H100).
+# Measured on an H100 and dropped from here: the mixed-step GPU test and multi-turn (1.20x), the long
+# RL step with and without --partial-rollout (1.25x), the GPU tests, the seed step.
 # Everything lands in $OUT (logs, JSON, plots); each piece is bounded by `timeout`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,7 +46,7 @@ call3)
     bash bench/bigger_models.sh decode-fp8 ;;
 call4)
     # the GPU preset cut to 100 rollouts (300 took 350 s on an H200, SFT included; 100 about 155-165 s on an
-    # H100, and the first in a call ran past 170 s in session 17), the baseline beside both
+    # H100, where the first in a call once ran past 170 s), the baseline beside both
     # variants in one call; LoRA at 10x the full-parameter lr (3e-4 against 3e-5: LoRA's usual ratio, not tuned)
     for v in ${VARIANTS:-full lora fp8}; do
         args=(--set num_rollout=100)

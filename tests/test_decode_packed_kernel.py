@@ -4,20 +4,17 @@ TRITON_INTERPRET=1 with a smaller head_dim)."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET),
-                                                  reason="needs CUDA (or TRITON_INTERPRET=1)")]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_kv_fp8_gpu import DEV, DTYPES, INTERPRET, fp8_cache, pytestmark, rel_err  # noqa: E402,F401 (pytestmark: the same marks)
+
 # (rows, Hq, Hkv, D, page, pages, longest context): Hq >= 16 (the dot's rows are the query heads)
 SHAPE = (6, 16, 8, 16, 16, 40, 150) if INTERPRET else (13, 16, 8, 128, 64, 400, 2000)
-DTYPES = [torch.float32] if INTERPRET else [torch.bfloat16, torch.float32]
 
 
 def packed_module():
@@ -32,8 +29,6 @@ def packed_module():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_splits,block_n", [(1, 16), (3, 16), (8, 16), (2, 32)])
 def test_packed_kernel_matches_dequantised_reference(dtype, num_splits, block_n):
-    from test_kv_fp8_gpu import fp8_cache, rel_err
-
     from furlong.engine.kv_cache import decode_attention_reference
     rows, hq, hkv, d, page, pages, longest = SHAPE
     if page % block_n:
@@ -52,7 +47,6 @@ def test_packed_kernel_matches_dequantised_reference(dtype, num_splits, block_n)
 
 
 def test_packed_kernel_refuses_token_major_values():
-    from test_kv_fp8_gpu import fp8_cache
     rows, hq, hkv, d, page, pages, _ = SHAPE
     g = torch.Generator(device=DEV).manual_seed(0)
     keys, values, ks, vs = fp8_cache(pages, hkv, page, d, g, v_dim_major=False)

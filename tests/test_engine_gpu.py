@@ -73,7 +73,7 @@ def test_cascade_decode_attention_matches_reference(dtype, num_splits, group_spl
 
 
 def test_store_kv_matches_index_put():
-    from furlong.engine.kernels import store_kv
+    from furlong.engine.store_kernels import store_kv
     g = torch.Generator(device="cuda").manual_seed(2)
     cache = torch.randn(40, 5, 8, 3, 16, 128, device="cuda", generator=g).to(torch.bfloat16)   # [P, L, K|V.., ]
     keys, values = cache[:, 2, :, 0], cache[:, 3, :, 0]      # strided [P, Hkv=8, page=16, D] views, alike

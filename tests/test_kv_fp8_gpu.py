@@ -29,7 +29,7 @@ def fp8_cache(pages, hkv, page, d, g, layers=2, v_dim_major=True):
     """A layer's strided fp8 views (as the engine lays them out: values dim-major; token-major with
     v_dim_major=False) filled through store_kv with rows of very different scales, every slot written
     (a dim-major V tile is read past a row's context); -> keys, values, key_scales, value_scales."""
-    from furlong.engine.kernels import store_kv
+    from furlong.engine.store_kernels import store_kv
     from furlong.engine.kv_cache import KVLayout
     from furlong.engine.kv_fp8 import FP8
     lay = KVLayout(layers, hkv, page, d, FP8, scaled=True)
@@ -46,7 +46,7 @@ def fp8_cache(pages, hkv, page, d, g, layers=2, v_dim_major=True):
 
 
 def test_store_kv_fp8_quantises_as_the_reference():
-    from furlong.engine.kernels import store_kv
+    from furlong.engine.store_kernels import store_kv
     from furlong.engine.kv_cache import KVLayout
     from furlong.engine.kv_fp8 import FP8, quantize
     g = torch.Generator(device=DEV).manual_seed(3)

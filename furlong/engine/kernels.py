@@ -22,12 +22,10 @@ paged_decode_attention  one query token per row over its paged KV (flash-decodin
     reached the P.V dot one byte per load (sm_90 SASS, compiled offline: 128 LDS.U8 and their byte
     permutes per thread per tile); dim-major, its loads are 16 bytes wide and unmasked and it reaches
     the dot through ldmatrix: the loop body per warp 1,363 -> 906 instructions, 255 -> 202 registers;
-    measured on an H100, 1.11x per layer at B=256 x 4096 (2.60 -> 2.88 TB/s) and the long rollout
-    76.4 -> 69.1 s (BENCHMARKS.md session 17). It is still below bf16's 3.07 TB/s: not profiled.
-store_kv  each new token's k and v into its (page, offset) slot, one program per
-    (token, kv head): one launch per layer instead of two generic index_put kernels;
-    for an fp8 cache it quantises the row with its absmax scale (kv_fp8.py).
-All are fixed-shape and sync-free, so they are captured in the decode CUDA graphs.
+    on an H100 that made the layer 1.11x faster at B=256 x 4096 (2.60 -> 2.88 TB/s) and the long
+    rollout 76.4 -> 69.1 s. It still reads below bf16's 3.07 TB/s there: not profiled.
+Both kernels are fixed-shape and sync-free, so they are captured in the decode CUDA graphs; the KV
+store kernel is store_kernels.py.
 """
 from __future__ import annotations
 
@@ -38,6 +36,7 @@ import triton
 import triton.language as tl
 
 from furlong.engine.cascade import PrefixGroups
+from furlong.engine.kv_cache import value_layout
 
 
 @triton.jit
@@ -163,19 +162,6 @@ def _combine_kernel(O, LSE, OUT, PL, s_ob, s_oh, s_os, s_lb, s_lh, s_outb, s_out
     tl.store(OUT + b * s_outb + h * s_outh + d, out.to(OUT.dtype.element_ty))
 
 
-def value_layout(keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """keys/values [num_pages, Hkv, page, D] -> whether values is dim-major (else laid out as keys,
-    which must be token-major with D contiguous)."""
-    page = keys.shape[2]
-    if keys.stride(-1) != 1 or values.stride()[:2] != keys.stride()[:2]:
-        raise ValueError("KV cache: head dim must be contiguous in keys, and values paged like keys")
-    if values.stride() == keys.stride():
-        return False
-    if values.stride()[2:] == (1, page):
-        return True
-    raise ValueError(f"KV cache: values strides {values.stride()} are neither keys' {keys.stride()} nor dim-major")
-
-
 def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, num_splits: int, block_n: int = 64,
                            prefix: PrefixGroups | None = None, group_splits: int = 1,
@@ -203,12 +189,12 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     # measured on an H200 (bench/decode_kernel_sweep.py): an fp8 tile's program is latency-bound, and
     # 2 warps run it 1.3-1.5x faster than 4 (B=256 at 4096 tokens: 0.85 against 1.26 ms per layer;
     # bf16 0.94 ms, where 2 and 4 warps tie); bf16 keeps 4. With V dim-major 1 warp is faster still at
-    # each engine setting swept (an H100, 2026-12-06: 0.741 against 0.769 ms at B=256 x 4096, 0.020
-    # against 0.023 ms at B=32 x 640; BENCHMARKS.md session 17); the sweep had no cascade groups, whose
-    # programs keep the 2 warps they were measured and tested with
+    # each engine setting swept (an H100: 0.741 against 0.769 ms at B=256 x 4096, 0.020 against 0.023 ms
+    # at B=32 x 640); the sweep had no cascade groups, whose programs keep the 2 warps they were
+    # measured and tested with
     num_warps = num_warps or (4 if not fp8 else 1 if v_dim_major and prefix is None else 2)
     # V's load issued beside K's: fp8 0.848 against 0.902 ms at B=256 x 4096, 0.144 against 0.154 at x 640
-    # (an H100, 2026-12-05); bf16 ties either way and keeps V's load after the softmax
+    # (an H100); bf16 ties either way and keeps V's load after the softmax
     early_v = fp8 if early_v is None else early_v
     if fp8 and (key_scales.stride() != value_scales.stride() or key_scales.stride(-1) != 1):
         raise ValueError("paged_decode_attention: key/value scales must be laid out alike, tokens contiguous")
@@ -249,62 +235,3 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
             S_PAD=triton.next_power_of_2(num_slots),
             CASCADE=cascade)
     return out
-
-
-@triton.jit
-def _quantize_row(x):
-    """x [D] -> (x / s rounded to the e4m3 grid, in fp32; s), as kv_fp8.quantize: s = max(absmax / 448,
-    1e-30), IEEE divisions (Triton's `/` on fp32 is approximate)."""
-    x = x.to(tl.float32)
-    s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), 448.0), 1e-30)
-    y = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -448.0), 448.0)
-    # round to nearest even on the e4m3 grid here, so the cast to fp8 below is exact (the Triton
-    # interpreter's own fp32 -> e4m3 rounding drops the carry into the next binade): the grid step
-    # in y's binade is 2^(E-3), E >= -6 (subnormals share 2^-6's step), a power of two built from
-    # its bits; 1.5 * 2^23 added and taken away rounds |z| < 16 to an integer, ties to even; the
-    # sign is put back after (-0 stays -0)
-    bits = y.to(tl.int32, bitcast=True)
-    ey = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
-    z = tl.abs(y) * ((130 - ey) << 23).to(tl.float32, bitcast=True)            # * 2^(3 - ey)
-    z = ((z + 12582912.0) - 12582912.0) * ((124 + ey) << 23).to(tl.float32, bitcast=True)   # * 2^(ey - 3)
-    return tl.where(bits < 0, -z, z), s
-
-
-@triton.jit
-def _store_kv_kernel(K, V, KC, VC, KS, VS, PAGE, OFF, s_kn, s_kh, s_vn, s_vh, s_cp, s_ch, s_cs, s_sp, s_sh,
-                     s_vcs, s_vcd, D: tl.constexpr, FP8: tl.constexpr):
-    n = tl.program_id(0)
-    h = tl.program_id(1)
-    d = tl.arange(0, D)
-    page = tl.load(PAGE + n)
-    off = tl.load(OFF + n)
-    dst = page * s_cp + h * s_ch + off * s_cs + d
-    k = tl.load(K + n * s_kn + h * s_kh + d)
-    v = tl.load(V + n * s_vn + h * s_vh + d)
-    if FP8:
-        k, ks = _quantize_row(k)
-        v, vs = _quantize_row(v)
-        tl.store(KS + page * s_sp + h * s_sh + off, ks)
-        tl.store(VS + page * s_sp + h * s_sh + off, vs)
-    tl.store(KC + dst, k.to(KC.dtype.element_ty))
-    tl.store(VC + page * s_cp + h * s_ch + off * s_vcs + d * s_vcd, v.to(VC.dtype.element_ty))
-
-
-def store_kv(keys: torch.Tensor, values: torch.Tensor, page: torch.Tensor, offset: torch.Tensor,
-             k: torch.Tensor, v: torch.Tensor, key_scales: torch.Tensor | None = None,
-             value_scales: torch.Tensor | None = None) -> None:
-    """k, v [N, Hkv, D] into keys/values [P, Hkv, page, D] (values token- or dim-major, value_layout) at
-    (page[i], offset[i]);
-    fp8 cache: quantised, each row's scale into key/value_scales [P, Hkv, page] (same strides)."""
-    num, num_kv, dim = k.shape
-    if k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError("store_kv: head dim must be contiguous in k and v")
-    v_dim_major = value_layout(keys, values)
-    fp8 = key_scales is not None
-    if fp8 and key_scales.stride() != value_scales.stride():
-        raise ValueError("store_kv: key/value scales must be laid out alike")
-    ks, vs = (key_scales, value_scales) if fp8 else (page, page)       # unused without fp8
-    _store_kv_kernel[(num, num_kv)](k, v, keys, values, ks, vs, page, offset, k.stride(0), k.stride(1), v.stride(0),
-                                   v.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
-                                   ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0, values.stride(2),
-                                   values.stride(3), D=dim, FP8=fp8, num_warps=1)

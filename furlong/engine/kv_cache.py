@@ -96,6 +96,19 @@ class KVLayout:
         return data, scales
 
 
+def value_layout(keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """keys/values [num_pages, Hkv, page, D] (one layer's views) -> whether values is dim-major (else laid out as keys,
+    which must be token-major with D contiguous)."""
+    page = keys.shape[2]
+    if keys.stride(-1) != 1 or values.stride()[:2] != keys.stride()[:2]:
+        raise ValueError("KV cache: head dim must be contiguous in keys, and values paged like keys")
+    if values.stride() == keys.stride():
+        return False
+    if values.stride()[2:] == (1, page):
+        return True
+    raise ValueError(f"KV cache: values strides {values.stride()} are neither keys' {keys.stride()} nor dim-major")
+
+
 @dataclass
 class KVLayer:
     """One layer's cache: keys/values [P, Hkv, page_size, D], their scales [P, Hkv, page_size]
@@ -131,7 +144,7 @@ class PagedKVCache:
         kernel on CUDA)."""
         c = self.layer(layer)
         if c.keys.is_cuda:
-            from furlong.engine.kernels import store_kv
+            from furlong.engine.store_kernels import store_kv
             store_kv(c.keys, c.values, page, offset, k, v, c.key_scales, c.value_scales)
             return
         if c.key_scales is None:

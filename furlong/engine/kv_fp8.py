@@ -44,7 +44,7 @@ KV_DTYPES = ("auto", "bf16", "fp8_e4m3")   # EngineConfig.kv_dtype; auto and bf1
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (q [..., D] float8_e4m3fn, scale [...] float32) with x ~= q * scale: scale =
     max(absmax / 448, MIN_SCALE), q = x / scale clamped to +-448 and rounded to nearest even (IEEE
-    fp32 division, as kernels.store_kv)."""
+    fp32 division, as store_kernels.store_kv)."""
     xf = x.float()
     scale = (xf.abs().amax(-1) / FP8_MAX).clamp_min(MIN_SCALE)
     return (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
