@@ -43,8 +43,7 @@ for part in "$@"; do
                  --lora-alpha 128 ;;
     4b-lora) bench qwen3_4b_lora 300 --workload bench/qwen3_4b_workload.json --parts train,rollout --lora-rank 64 \
                  --lora-alpha 128 ;;
-    long-fp8) FURLONG_BENCH_GUARD_S=270 bench long_bf16 300 --workload bench/long_workload.json --parts rollout
-              FURLONG_BENCH_GUARD_S=270 bench long_fp8 300 --workload bench/long_workload.json --parts rollout --kv-dtype fp8_e4m3 ;;
+    long-fp8) bash "$0" long-bf16 long-fp8-only ;;      # both, bf16 first
     long-bf16) FURLONG_BENCH_GUARD_S=270 bench long_bf16 300 --workload bench/long_workload.json --parts rollout ;;
     long-fp8-only) FURLONG_BENCH_GUARD_S=270 bench long_fp8 300 --workload bench/long_workload.json --parts rollout \
                        --kv-dtype fp8_e4m3 ;;

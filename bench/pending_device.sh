@@ -38,8 +38,8 @@ call2)
         tests/test_decode_packed_kernel.py >"$OUT/kv_fp8_gpu.log" 2>&1; echo "== fp8 GPU tests: exit $?"
     tail -3 "$OUT/kv_fp8_gpu.log" ;;
 call3)
-    # where the long rollout's time goes, fp8 then bf16 (a short warm-up and the rollout each: ~80 s fp8, ~110 s
-    # bf16 on an H100)
+    # where the long rollout's time goes, fp8 then bf16 (a short warm-up and the rollout each; the rollouts
+    # alone took 69 s fp8 and 101 s bf16 on an H100)
     timeout -k 10 420 python3 bench/rollout_time_split.py --workload bench/long_workload.json \
         --kv-dtype fp8_e4m3,bf16 --out "$OUT" >"$OUT/rollout_time_split.log" 2>&1
     echo "== rollout time split: exit $?"; grep -E "s = fixed|warm-up rollout|Error" "$OUT/rollout_time_split.log"
@@ -60,7 +60,7 @@ print('mean |trainer - engine| log-prob', round(sum(v for _, v in g) / max(1, le
     done ;;
 call5)
     # the head-packed kernel in the long rollout beside the engine's (the bench's rollout part twice, fp8 KV;
-    # ~150 s each on an H100), at its best setting for B=256 x 4096 from a short sweep
+    # it took 170 s on an H100 with the engine's kernel), at its best setting for B=256 x 4096 from a short sweep
     FURLONG_BENCH_GUARD_S=270 timeout -k 10 560 python3 bench/decode_packed_kernel.py --batch 256 --context 4096 \
         --block-n 16,32 --warps 1,2 --stages 2 --rollout bench/long_workload.json --out "$OUT" \
         >"$OUT/packed_rollout.log" 2>&1; echo "== packed kernel rollout: exit $?"

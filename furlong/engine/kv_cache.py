@@ -97,8 +97,8 @@ class KVLayout:
 
 
 def value_layout(keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """keys/values [num_pages, Hkv, page, D] (one layer's views) -> whether values is dim-major (else laid out as keys,
-    which must be token-major with D contiguous)."""
+    """keys/values [num_pages, Hkv, page, D] (one layer's views) -> whether values is dim-major (else
+    laid out as keys, which must be token-major with D contiguous)."""
     page = keys.shape[2]
     if keys.stride(-1) != 1 or values.stride()[:2] != keys.stride()[:2]:
         raise ValueError("KV cache: head dim must be contiguous in keys, and values paged like keys")

@@ -102,7 +102,8 @@ class ModelRunner:
             if layout.dim_major(values=True):
                 # the decode kernel reads a dim-major V tile whole, slots past a row's context too
                 # (times a zero probability): freshly mapped memory may hold e4m3 NaN bytes, which
-                # would survive that; written slots are always finite (~10 ms per 27 GB session)
+                # would survive that; written slots are always finite (one memset per session: by
+                # bandwidth ~10 ms for a 27 GB V cache, not timed)
                 self.stable[1].tensor[:num_pages * layout.page_bytes].zero_()
         else:
             self.graphs.clear()
