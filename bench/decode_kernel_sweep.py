@@ -97,6 +97,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="block_n 64 only")
     ap.add_argument("--warps", default="2,4,8")
     ap.add_argument("--stages", default="1,2,3,4")
+    ap.add_argument("--splits", default=None,
+                    help="split counts to time (default: the engine's rule's, half and double it)")
+    ap.add_argument("--engine-launch", action="store_true",
+                    help="warps and V's load order as the engine launches each kv (overrides --warps)")
     ap.add_argument("--kv", default="bf16,fp8,fp8_vtok",
                     help="bf16; fp8 (the engine's layout: V dim-major); fp8_vtok (V token-major, the earlier layout)")
     a = ap.parse_args()
@@ -109,8 +113,9 @@ def main() -> None:
             fp8 = kv != "bf16"
             q, k, v, ks, vs, tables, lens, nbytes = build(batch, context, fp8, gen, v_dim_major=kv == "fp8")
             ref = None
-            grid = ((64,) if a.quick else (32, 64), ints(a.warps), ints(a.stages),
-                    sorted({base, base * 2, max(1, base // 2)}), (False, True))
+            grid = ((64,) if a.quick else (32, 64), (ENGINE_WARPS[kv],) if a.engine_launch else ints(a.warps),
+                    ints(a.stages), ints(a.splits) if a.splits else sorted({base, base * 2, max(1, base // 2)}),
+                    (fp8,) if a.engine_launch else (False, True))
             for block_n, warps, stages, splits, early_v in itertools.product(*grid):
                 def fn():
                     return paged_decode_attention(q, k, v, tables, lens, splits, block_n=block_n,
@@ -144,11 +149,16 @@ def main() -> None:
                 best[key] = r
     print("best per (batch, context, kv):")
     for r in best.values():
-        eng = next(x for x in results if x.get("engine_setting") and
-                   (x["batch"], x["context"], x["kv"]) == (r["batch"], r["context"], r["kv"]))
-        print(f"  B={r['batch']} ctx={r['context']} {r['kv']}: engine {eng['ms']:.3f} ms ({eng['tb_s']} TB/s); "
+        eng = next((x for x in results if x.get("engine_setting") and
+                    (x["batch"], x["context"], x["kv"]) == (r["batch"], r["context"], r["kv"])), None)
+        eng_text = f"engine {eng['ms']:.3f} ms ({eng['tb_s']} TB/s)" if eng else "engine setting not swept"
+        by_splits = {x["splits"]: x["ms"] for x in results if "ms" in x and x["block_n"] == r["block_n"] and
+                     (x["batch"], x["context"], x["kv"], x["warps"], x["stages"], x["early_v"]) ==
+                     (r["batch"], r["context"], r["kv"], r["warps"], r["stages"], r["early_v"])}
+        print(f"  B={r['batch']} ctx={r['context']} {r['kv']}: {eng_text}; "
               f"best {r['ms']:.3f} ms ({r['tb_s']} TB/s) at block_n {r['block_n']} warps {r['warps']} "
-              f"stages {r['stages']} splits {r['splits']} early_v {r['early_v']}")
+              f"stages {r['stages']} splits {r['splits']} early_v {r['early_v']}; ms by splits at that setting: "
+              + " ".join(f"{k}:{v:.4f}" for k, v in sorted(by_splits.items())))
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "decode_kernel_sweep.json").write_text(json.dumps(results, indent=1))
 
