@@ -6,7 +6,7 @@ B rows at one context length; each setting is timed over CUDA-graph replays (med
 and reported with the bandwidth it reaches over the K/V (+ scale) bytes it must read. fp8 V is
 stored dim-major as the engine does (kv_cache.KVLayout.dim_major; `fp8_vtok`: token-major, the
 earlier layout). The engine's own setting is block_n 64, num_warps 4 (bf16), 1 (fp8) or 2 (fp8_vtok), V's load beside K's for fp8,
-num_stages 2 and the split count of ModelRunner.num_splits. Tried and dropped (slower):
+num_stages 2 and the split count of ModelRunner.num_splits (splits.wave_splits). Tried and dropped (slower):
 Q quantised to e4m3 for an fp8 x fp8 Q.K^T dot (no faster, 5x the output error), and K/V tiles dequantised in registers
 before the dots (6x slower); e4m3 widened to fp16 where loaded by an inline-PTX convert, so the dots read
 fp16 with ldmatrix (0.935 against 0.836 ms at B=256 x 4096 on an H100); the rows' own splits on
@@ -30,15 +30,32 @@ import torch
 from furlong.engine.kernels import paged_decode_attention
 from furlong.engine.kv_cache import KVLayout
 from furlong.engine.kv_fp8 import FP8, quantize
+from furlong.engine.splits import resident_programs, wave_splits
 
 HQ, HKV, D, PAGE, LAYERS = 16, 8, 128, 64, 4
 ENGINE_WARPS = {"bf16": 4, "fp8": 1, "fp8_vtok": 2}   # paged_decode_attention's default (no cascade groups)
 
 
-def engine_splits(rows: int, num_sms: int) -> int:
-    """ModelRunner.num_splits's rule (4 programs per SM over rows x KV heads, power of two <= 16)."""
-    want = -(-4 * num_sms // (max(1, rows) * HKV))
-    return max(1, min(16, 1 << (want - 1).bit_length()))
+def engine_splits(rows: int, num_sms: int, context: int = 4096, fp8: bool = True) -> int:
+    """ModelRunner.num_splits's choice for B rows at one context length (splits.wave_splits)."""
+    return wave_splits(rows, context, PAGE, HKV, num_sms * resident_programs(fp8, cascade=False))
+
+
+def compiled_occupancy() -> list[dict]:
+    """The decode kernel's compiled variants: registers, spills, shared memory and warps, and the
+    programs one multiprocessor holds by them (what splits.resident_programs states)."""
+    from furlong.engine.kernels import _decode_attn_kernel
+    rows = []
+    for cache in _decode_attn_kernel.device_caches.values():
+        for k in cache[0].values():
+            k._init_handles()
+            warps = k.metadata.num_warps
+            regs_per_warp = -(-k.n_regs * 32 // 256) * 256
+            by_regs = 65536 // regs_per_warp // warps
+            by_smem = 233472 // (k.metadata.shared + 1024)
+            rows.append(dict(n_regs=k.n_regs, n_spills=k.n_spills, shared=k.metadata.shared, warps=warps,
+                             programs_per_sm=min(by_regs, by_smem, 32, 64 // warps)))
+    return rows
 
 
 def build(batch: int, context: int, fp8: bool, gen: torch.Generator, v_dim_major: bool = True):
@@ -108,9 +125,9 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     results = []
     for batch, context in itertools.product(map(int, a.batch.split(",")), map(int, a.context.split(","))):
-        base = engine_splits(batch, num_sms)
         for kv in a.kv.split(","):
             fp8 = kv != "bf16"
+            base = engine_splits(batch, num_sms, context, fp8)
             q, k, v, ks, vs, tables, lens, nbytes = build(batch, context, fp8, gen, v_dim_major=kv == "fp8")
             ref = None
             grid = ((64,) if a.quick else (32, 64), (ENGINE_WARPS[kv],) if a.engine_launch else ints(a.warps),
@@ -159,6 +176,8 @@ def main() -> None:
               f"best {r['ms']:.3f} ms ({r['tb_s']} TB/s) at block_n {r['block_n']} warps {r['warps']} "
               f"stages {r['stages']} splits {r['splits']} early_v {r['early_v']}; ms by splits at that setting: "
               + " ".join(f"{k}:{v:.4f}" for k, v in sorted(by_splits.items())))
+    for occ in compiled_occupancy():
+        print("compiled:", json.dumps(occ))
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "decode_kernel_sweep.json").write_text(json.dumps(results, indent=1))
 

@@ -1,7 +1,7 @@
 """Where a rollout's time goes (device): every engine step timed, fitted as fixed + per-row + per-token costs.
 
 The bench's rollout part (forced lengths, random weights), after a warm-up at 1/16 of its lengths that
-captures every batch bucket's graphs, run with each engine step's counters read around it (EngineStats: decode steps, rows,
+captures every batch bucket's graphs (those of split counts only longer contexts use excepted), run with each engine step's counters read around it (EngineStats: decode steps, rows,
 attended context tokens, seconds; every step ends in a host sync, so its wall time is its device time
 plus the host's scheduling). The decode windows are fitted by least squares as
 
@@ -14,7 +14,7 @@ a profile: it says which of the three terms to attack (issue 21's long rollout: 
 ~46 s of it attention by arithmetic; the rest unexplained).
 
     python3 bench/rollout_time_split.py [--workload bench/long_workload.json] [--kv-dtype fp8_e4m3,bf16]
-        [--out DIR]       -> rollout_time_split.json, rollout_time_split.png
+        [--split-rule waves,programs] [--out DIR]       -> rollout_time_split.json, rollout_time_split.png
 """
 from __future__ import annotations
 
@@ -52,6 +52,8 @@ class TimeSplit:
     rows_s: float
     attention_s: float
     residual_s: float       # seconds - the three terms (prefill-only steps, misfit)
+    steady_seconds: float   # seconds with each window that captured a graph counted at its fit instead:
+                            # the rollout as later ones run it (graphs are kept between rollouts)
 
 
 def fit_time_split(samples: list[StepSample], kv_bytes_per_token: float, other_seconds: float = 0.0) -> TimeSplit:
@@ -73,10 +75,12 @@ def fit_time_split(samples: list[StepSample], kv_bytes_per_token: float, other_s
     fixed_s, rows_s = a * steps, b * float((w * x[:, 1]).sum())
     attention_s = c * float((w * x[:, 2]).sum())
     total = sum(s.seconds for s in samples) + other_seconds
+    captured = [s for s in samples if s.num_steps > 0 and s.captured]
+    steady = total - sum(s.seconds - s.num_steps * (a + b * s.padded_rows + c * s.context_tokens) for s in captured)
     return TimeSplit(fixed_ms_per_step=a * 1e3, ms_per_row=b * 1e3, ns_per_context_token=c * 1e9,
                      implied_attention_tb_s=kv_bytes_per_token / c / 1e12 if c > 0 else None, r2=r2,
                      seconds=total, fixed_s=fixed_s, rows_s=rows_s, attention_s=attention_s,
-                     residual_s=total - fixed_s - rows_s - attention_s)
+                     residual_s=total - fixed_s - rows_s - attention_s, steady_seconds=steady)
 
 
 def traced_generate(engine, requests) -> list[StepSample]:
@@ -138,6 +142,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", default="bench/long_workload.json")
     ap.add_argument("--kv-dtype", default="fp8_e4m3,bf16")
+    ap.add_argument("--split-rule", default="waves",
+                    help="the decode kernel's split rules to run, each on the same engine (splits.py): waves,programs")
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
     w = load_workload(a.workload)
@@ -149,27 +155,31 @@ def main() -> None:
         g = torch.Generator().manual_seed(b.seed + 2)
         prompts = [torch.randint(0, b.args.vocab_size, (p,), generator=g).tolist() for p in w.prompt_lens]
         engine = make_engine(b, max(w.prompt_lens) + max(w.response_lens))
-        # warm-up: the same rows at 1/16 of their lengths finish in the same order, so the batch passes
-        # through the same buckets and every graph the timed rollout replays is captured here
-        warm = _rollout_requests(b, prompts, seed=1)
-        for r in warm:
-            r.sample_max_new_tokens = [max(1, x // 16) for x in r.sample_max_new_tokens]
-        started = time.perf_counter()
-        engine.generate(warm)
-        engine.release()
-        print(f"{kv}: warm-up rollout {time.perf_counter() - started:.1f} s (graph captures)", flush=True)
-        engine.reset_stats()
-        samples = traced_generate(engine, _rollout_requests(b, prompts, seed=0))
-        engine.release()
-        per_token = engine.runner.page_bytes() / engine.runner.page_size
-        split = fit_time_split(samples, per_token)
-        samples_by_kv[kv], splits[kv] = samples, split
-        report[kv] = dict(split=asdict(split), kv_bytes_per_token=per_token, steps=[asdict(s) for s in samples])
-        print(f"{kv}: {split.seconds:.1f} s = fixed {split.fixed_s:.1f} ({split.fixed_ms_per_step:.3f} ms/step) "
-              f"+ rows {split.rows_s:.1f} ({split.ms_per_row * 1e3:.2f} us/row) + attention {split.attention_s:.1f} "
-              f"(at {tb_s(split)}) + residual {split.residual_s:.1f}; R^2 {split.r2:.3f}; "
-              f"{sum(x.captured for x in samples)} windows with a graph capture left out of the fit",
-              flush=True)
+        for rule in a.split_rule.split(","):
+            name = f"{kv} {rule}"
+            engine.runner.split_rule = rule
+            # warm-up: the same rows at 1/16 of their lengths finish in the same order, so the batch passes
+            # through the same buckets and captures most graphs the timed rollout replays (not those of
+            # split counts only longer contexts pick: their windows are left out of the fit)
+            warm = _rollout_requests(b, prompts, seed=1)
+            for r in warm:
+                r.sample_max_new_tokens = [max(1, x // 16) for x in r.sample_max_new_tokens]
+            started = time.perf_counter()
+            engine.generate(warm)
+            engine.release()
+            print(f"{name}: warm-up rollout {time.perf_counter() - started:.1f} s (graph captures)", flush=True)
+            engine.reset_stats()
+            samples = traced_generate(engine, _rollout_requests(b, prompts, seed=0))
+            engine.release()
+            per_token = engine.runner.page_bytes() / engine.runner.page_size
+            split = fit_time_split(samples, per_token)
+            samples_by_kv[name], splits[name] = samples, split
+            report[name] = dict(split=asdict(split), kv_bytes_per_token=per_token, steps=[asdict(s) for s in samples])
+            print(f"{name}: {split.seconds:.1f} s (steady {split.steady_seconds:.1f} s) = fixed {split.fixed_s:.1f} "
+                  f"({split.fixed_ms_per_step:.3f} ms/step) + rows {split.rows_s:.1f} ({split.ms_per_row * 1e3:.2f} "
+                  f"us/row) + attention {split.attention_s:.1f} (at {tb_s(split)}) + residual {split.residual_s:.1f}; "
+                  f"R^2 {split.r2:.3f}; {sum(x.captured for x in samples)} windows with a graph capture left out "
+                  f"of the fit", flush=True)
         del engine, b
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     (out / "rollout_time_split.json").write_text(json.dumps(report))

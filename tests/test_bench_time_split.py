@@ -34,6 +34,8 @@ def test_fit_recovers_fixed_row_and_token_costs():
     assert f.implied_attention_tb_s == pytest.approx(59136 / 4e-9 / 1e12)
     assert f.residual_s == pytest.approx(0.75, abs=1e-9)
     assert f.fixed_s + f.rows_s + f.attention_s + f.residual_s == pytest.approx(f.seconds)
+    # the capture window counted at its fitted cost instead of its 0.5 s
+    assert f.steady_seconds == pytest.approx(f.seconds - 0.5 + 16 * (a + b * 64 + c * 64 * 900), rel=1e-9)
 
 
 def test_fit_refuses_too_few_windows():
@@ -69,13 +71,14 @@ def test_script_writes_the_split_and_its_plot(tmp_path):
     path = tmp_path / "w.json"
     path.write_text(json.dumps(w))
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "rollout_time_split.py"), "--workload", str(path),
-                          "--kv-dtype", "auto,fp8_e4m3", "--out", str(tmp_path / "out")], capture_output=True,
+                          "--kv-dtype", "auto,fp8_e4m3", "--split-rule", "waves,programs", "--out", str(tmp_path / "out")], capture_output=True,
                          text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=240)
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads((tmp_path / "out" / "rollout_time_split.json").read_text())
-    assert set(report) == {"auto", "fp8_e4m3"}
+    assert set(report) == {f"{kv} {rule}" for kv in ("auto", "fp8_e4m3") for rule in ("waves", "programs")}
     for kv, r in report.items():
         assert sum(s["num_steps"] for s in r["steps"]) == 59          # the longest row: 60 tokens, 1 from prefill
         assert r["split"]["seconds"] > 0 and "R^2" in run.stdout
-    assert report["fp8_e4m3"]["kv_bytes_per_token"] < report["auto"]["kv_bytes_per_token"]
+        assert r["split"]["steady_seconds"] == pytest.approx(r["split"]["seconds"])   # CPU: no graphs captured
+    assert report["fp8_e4m3 waves"]["kv_bytes_per_token"] < report["auto waves"]["kv_bytes_per_token"]
     assert (tmp_path / "out" / "rollout_time_split.png").stat().st_size > 10_000

@@ -46,6 +46,7 @@ from furlong.engine.plan import Plan, PrefillItem
 from furlong.engine.prefix_prefill import prefix_prefill_context
 from furlong.engine.sampling import SamplingRows, row_thresholds, sample_reference
 from furlong.engine.sequence import Sequence, StepOutput
+from furlong.engine.splits import program_splits, resident_programs, wave_splits
 from furlong.engine.stable_memory import stable_buffer
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512,
@@ -68,10 +69,14 @@ class ModelRunner:
         self.use_cuda_graphs = use_cuda_graphs and self.on_gpu
         self.buckets = [b for b in BATCH_BUCKETS if b < max_num_seqs] + [max_num_seqs]
         self.cache: PagedKVCache | None = None
-        self.graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}   # (rows, truncate, cascade)
+        # (rows, truncate, cascade, splits)
+        self.graphs: dict[tuple[int, bool, bool, int], torch.cuda.CUDAGraph] = {}
         self.cascade = cascade                # may be switched between decode windows (graphs exist for both)
         self.members = cascade_members(self.args.num_heads, self.args.num_kv_heads)   # rows per cascade group
         self.cascade_min_prefix = cascade_min_prefix   # shortest shared prompt worth a group (tokens)
+        # the decode kernel's split count: "waves" (splits.wave_splits) or "programs" (the earlier rule,
+        # kept to measure against); may be switched between decode windows (graphs are per count)
+        self.split_rule = "waves"
         self.pool = None
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.on_gpu else 1
         self.stable: tuple | None = None      # (keys, values) StableBuffers, reserved on first use
@@ -203,29 +208,31 @@ class ModelRunner:
         return self.sample(logits, rows, truncate=any(s.params.truncates for s in seqs))
 
     # ---- decode --------------------------------------------------------------------------------
-    def _splits(self, units: int, cap: int) -> int:
-        """KV-length splits so that (unit, kv head, split) programs number ~4 per multiprocessor: a
-        power of two in [1, cap] (1 on the CPU)."""
+    def num_splits(self, num_rows: int, padded_rows: int, longest: int, cascade: bool) -> int:
+        """KV-length splits of each row's own tokens, for `num_rows` running rows (padded to a bucket of
+        `padded_rows`) whose longest context is `longest` tokens (splits.py; 1 on the CPU). Padded rows
+        attend to one token: the wave rule counts only the real ones."""
         if not self.on_gpu:
             return 1
-        want = -(-4 * self.num_sms // (max(1, units) * self.args.num_kv_heads))
-        return max(1, min(cap, 1 << (want - 1).bit_length()))
-
-    def num_splits(self, rows: int) -> int:
-        """KV-length splits of each row's own tokens."""
-        return self._splits(rows, 16)
+        if self.split_rule == "programs":
+            return program_splits(padded_rows, self.args.num_kv_heads, self.num_sms)
+        slots = self.num_sms * resident_programs(self.layout.scaled, cascade)
+        # 64: the kernel's default tile (kernels.paged_decode_attention's block_n, at most a page)
+        return wave_splits(num_rows, longest, min(64, self.page_size), self.args.num_kv_heads, slots)
 
     def group_splits(self, rows: int) -> int:
         """KV-length splits of a cascade group's prefix, counted as if the rows formed full groups; at
-        most `members`, since the grid holds rows // group_splits groups."""
-        return self._splits(rows // self.members, self.members)
+        most `members`, since the grid holds rows // group_splits groups (1 on the CPU)."""
+        if not self.on_gpu:
+            return 1
+        return program_splits(rows // self.members, self.args.num_kv_heads, self.num_sms, cap=self.members)
 
-    def _step(self, rows: int, truncate: bool, cascade: bool) -> None:
+    def _step(self, rows: int, truncate: bool, cascade: bool, splits: int) -> None:
         """One decode step over the first `rows` buffer rows, state advanced in place (graph-safe)."""
         x = self.inputs.step_inputs(rows)
         page = x.block_tables.gather(1, (x.positions // self.page_size)[:, None]).squeeze(1).long()
         ctx = DecodeContext(self.cache, page, x.positions % self.page_size, x.block_tables,
-                            (x.positions + 1).to(torch.int32), self.num_splits(rows), self.on_gpu,
+                            (x.positions + 1).to(torch.int32), splits, self.on_gpu,
                             x.groups if cascade else None, self.group_splits(rows))
         logits = self.forward.logits(self.forward.hidden(x.input_ids, x.positions, ctx.attend))
         tok, lp = self.sample(logits, x.sampling(x.positions + 1), truncate)
@@ -234,17 +241,17 @@ class ModelRunner:
         x.input_ids.copy_(tok)
         x.positions.add_(1)
 
-    def _capture(self, rows: int, truncate: bool, cascade: bool) -> None:
+    def _capture(self, rows: int, truncate: bool, cascade: bool, splits: int) -> None:
         self.inputs.clear(rows)                # padded-row state: position 0, scratch page 0, no groups
-        self._step(rows, truncate, cascade)    # warm-up: compiles the Triton kernels
+        self._step(rows, truncate, cascade, splits)    # warm-up: compiles the Triton kernels
         torch.cuda.synchronize(self.device)
         self.inputs.clear(rows)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self._step(rows, truncate, cascade)
+            self._step(rows, truncate, cascade, splits)
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[(rows, truncate, cascade)] = graph
+        self.graphs[(rows, truncate, cascade, splits)] = graph
 
     def _groups(self, seqs: list[Sequence], rows: int, key: tuple) -> GroupPlan:
         """plan_groups of this running set (`key`), computed once per running set; none with cascade off."""
@@ -265,17 +272,20 @@ class ModelRunner:
         key = (rows, tuple(s.serial for s in seqs), self.cascade)
         groups = self._groups(seqs, rows, key)
         cascade = bool(groups.groups)
-        if self.use_cuda_graphs and (rows, truncate, cascade) not in self.graphs:
-            self._capture(rows, truncate, cascade)     # overwrote the buffers: clear() restages them all
+        # the longest context the window reaches (the rows grow by one token a step)
+        splits = self.num_splits(num, rows, max(s.num_tokens for s in seqs) + window, cascade)
+        graph_key = (rows, truncate, cascade, splits)
+        if self.use_cuda_graphs and graph_key not in self.graphs:
+            self._capture(*graph_key)     # overwrote the buffers: clear() restages them all
         self.inputs.stage(seqs, rows, key, groups, self.args.vocab_size)
         toks = torch.empty(window, rows, dtype=torch.int64, device=self.device)
         lps = torch.empty(window, rows, dtype=torch.float32, device=self.device)
         x = self.inputs.step_inputs(rows)
         for i in range(window):
             if self.use_cuda_graphs:
-                self.graphs[(rows, truncate, cascade)].replay()
+                self.graphs[graph_key].replay()
             else:
-                self._step(rows, truncate, cascade)
+                self._step(rows, truncate, cascade, splits)
             toks[i].copy_(x.out_tokens)
             lps[i].copy_(x.out_log_probs)
         return toks, lps, sum(1 for p in groups.prefix_lens if p > 0)

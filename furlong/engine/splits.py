@@ -1,0 +1,52 @@
+"""How many ways the decode attention kernel splits each row's KV (ModelRunner's choice per decode window).
+
+The kernel (kernels.py) runs one program per (row, KV head, split). Its programs are latency-bound
+(one or a few warps each, a long dependent chain per KV tile), so a multiprocessor reads fast only
+with as many of them resident as its registers allow, and a step's programs, all about equally long
+(a rollout's rows start together and grow together), run in waves of `slots` = multiprocessors x
+resident programs. A step costs about
+
+    waves x per-program tiles = ceil(rows x KV heads x S / slots) x (ceil(tiles / S) + overhead)
+
+in tile-times, where tiles is the longest row's KV tiles and overhead a program's fixed cost (its
+query load and output store; with S > 1 the combine kernel too). `wave_splits` picks the S in
+SPLIT_COUNTS that minimises it (the smaller S on ties). Example, 140 rows of 4,096 tokens, 1,056 fp8
+slots: S=1 runs 1,120 programs in two waves, the second 6% full (cost 130); S=3 runs four fuller ones
+(cost 92). `program_splits`, the earlier rule, asked only for ~4 programs per multiprocessor, the
+occupancy of the bf16 kernel at 4 warps, half that of the fp8 kernel at 1 warp.
+
+Resident programs per multiprocessor come from the kernels' register use as Triton 3.6 compiles them
+for sm_90 (bench/kernel_sass.py): fp8 at 1 warp 255 registers (8 warps of 256-register allocations
+fill a 64K register file: 8), fp8 at 2 warps (cascade) 202 (4), bf16 at 4 warps 115 (4); shared memory
+(21-39 KB a program) is not the limit. A GPU test checks these against the compiled kernels.
+"""
+from __future__ import annotations
+
+import math
+
+SPLIT_COUNTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)   # a short list: every count a window uses is a CUDA graph
+OVERHEAD_TILES = 1.0                               # a program's fixed cost, in KV-tile times (not measured)
+
+
+def resident_programs(fp8: bool, cascade: bool) -> int:
+    """Decode kernel programs one sm_90 multiprocessor holds at once, as the engine launches them
+    (kernels.paged_decode_attention's default warps: fp8 1, or 2 with cascade groups; bf16 4)."""
+    return (4 if cascade else 8) if fp8 else 4
+
+
+def program_splits(rows: int, num_kv_heads: int, num_sms: int, cap: int = 16) -> int:
+    """The earlier rule: a power of two in [1, cap] giving ~4 programs per multiprocessor."""
+    want = -(-4 * num_sms // (max(1, rows) * num_kv_heads))
+    return max(1, min(cap, 1 << (want - 1).bit_length()))
+
+
+def wave_cost(rows: int, tiles: int, splits: int, num_kv_heads: int, slots: int) -> float:
+    """A step's attention time in KV-tile times under the wave model (module docstring)."""
+    return math.ceil(rows * num_kv_heads * splits / slots) * (math.ceil(tiles / splits) + OVERHEAD_TILES)
+
+
+def wave_splits(rows: int, longest: int, block_n: int, num_kv_heads: int, slots: int) -> int:
+    """Splits for `rows` rows whose longest context is `longest` tokens (module docstring)."""
+    tiles = max(1, -(-longest // block_n))
+    return min((s for s in SPLIT_COUNTS if s <= tiles),
+               key=lambda s: (wave_cost(max(1, rows), tiles, s, num_kv_heads, slots), s))

@@ -1,0 +1,102 @@
+"""The decode kernel's split count (furlong/engine/splits.py): the wave rule's choices, the earlier
+rule kept for measurement, and (CUDA) the resident-program counts against the compiled kernels."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from furlong.engine.splits import SPLIT_COUNTS, program_splits, resident_programs, wave_cost, wave_splits
+
+SLOTS = 132 * 8          # an H100/H200's multiprocessors x the fp8 kernel's resident programs
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_second_nearly_empty_wave_is_split_away():
+    # 140 rows x 8 KV heads = 1,120 programs: two waves at one split, the second 6% full
+    assert wave_cost(140, 64, 1, 8, SLOTS) == 2 * 65
+    s = wave_splits(140, 4096, 64, 8, SLOTS)
+    assert s > 1 and wave_cost(140, 64, s, 8, SLOTS) < 0.75 * wave_cost(140, 64, 1, 8, SLOTS)
+
+
+def test_full_waves_keep_one_split():
+    # exactly two full waves (264 rows) or one (132): splitting only adds programs' fixed costs
+    assert wave_splits(264, 8192, 64, 4, 132 * 8) == 1
+    assert wave_splits(132, 4096, 64, 8, SLOTS) == 1
+
+
+def test_short_contexts_and_single_tiles():
+    assert wave_splits(1, 10, 64, 8, SLOTS) == 1                # one tile: nothing to split
+    assert wave_splits(0, 1000, 64, 8, SLOTS) >= 1              # no rows: still a valid count
+    s = wave_splits(3, 640, 64, 8, SLOTS)                       # 10 tiles: never more splits than tiles
+    assert 1 < s <= 10 and s in SPLIT_COUNTS
+
+
+def test_few_long_rows_split_many_ways():
+    # 8 rows of 8,192 tokens: 64 programs on 1,056 slots; the largest counts cut a program's tiles most
+    assert wave_splits(8, 8192, 64, 8, SLOTS) == max(SPLIT_COUNTS)
+
+
+def test_wave_rule_never_costs_more_than_the_program_rule_over_a_long_rollout():
+    """Over the long workload's decode steps (rows all start together and finish at their forced
+    lengths, contexts prompt + step), by the wave model: no step costs more than with the earlier
+    rule's count, and the whole rollout costs clearly less (the model's figure, not a measurement)."""
+    w = json.loads((ROOT / "bench" / "long_workload.json").read_text())["rollout"]
+    lens, prompt = w["response_lens"], max(w["prompt_lens"])
+    old = new = 0.0
+    for t in range(0, max(lens), 8):
+        rows = sum(1 for x in lens if x > t)
+        tiles = math.ceil((prompt + t) / 64)
+        buckets = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256) if b >= rows]
+        c_old = wave_cost(rows, tiles, program_splits(buckets[0], 8, 132), 8, SLOTS)
+        c_new = wave_cost(rows, tiles, wave_splits(rows, prompt + t, 64, 8, SLOTS), 8, SLOTS)
+        assert c_new <= c_old
+        old, new = old + c_old, new + c_new
+    assert old / new > 1.15
+
+
+def test_program_rule_as_before():
+    assert [program_splits(r, 8, 132) for r in (1, 8, 32, 64, 66, 67, 256)] == [16, 16, 4, 2, 1, 1, 1]
+    assert program_splits(3, 8, 132, cap=4) == 4
+
+
+def test_resident_programs_by_kernel_variant():
+    assert resident_programs(fp8=True, cascade=False) == 8
+    assert resident_programs(fp8=True, cascade=True) == 4
+    assert resident_programs(fp8=False, cascade=False) == resident_programs(fp8=False, cascade=True) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fp8,cascade", [(True, False), (True, True), (False, False)])
+def test_resident_programs_match_the_compiled_kernel(fp8, cascade):
+    """The counts splits.py states, from the registers and shared memory of the kernel as compiled
+    here: a Triton or driver change that moves the occupancy fails this rather than slowing decode."""
+    import sys
+    sys.path.insert(0, str(ROOT / "bench"))
+    from decode_kernel_sweep import build
+    from furlong.engine.cascade import PrefixGroups
+    from furlong.engine.kernels import _decode_attn_kernel, paged_decode_attention
+    cap = torch.cuda.get_device_capability()
+    if cap != (9, 0):
+        pytest.skip(f"the counts are sm_90's, this GPU is sm_{cap[0]}{cap[1]}")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, ks, vs, tables, lens, _ = build(16, 256, fp8, g)
+    prefix = None
+    if cascade:
+        z = torch.zeros(16, dtype=torch.int32, device="cuda")
+        prefix = PrefixGroups(z, torch.full((16, 8), -1, dtype=torch.int32, device="cuda"), z)
+    _decode_attn_kernel.device_caches.clear()
+    paged_decode_attention(q, k, v, tables, lens, 2, prefix=prefix, key_scales=ks if fp8 else None,
+                           value_scales=vs if fp8 else None)
+    torch.cuda.synchronize()
+    (kernel,) = [x for cache in _decode_attn_kernel.device_caches.values() for x in cache[0].values()]
+    kernel._init_handles()
+    warps = kernel.metadata.num_warps
+    by_regs = 65536 // (-(-kernel.n_regs * 32 // 256) * 256) // warps
+    smem = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_multiprocessor", 233472)   # sm_90: 228 KB
+    by_smem = smem // (kernel.metadata.shared + 1024)
+    assert min(by_regs, by_smem, 32, 64 // warps) == resident_programs(fp8, cascade)
