@@ -2,13 +2,15 @@
 # The device measurements still owed by the open issues, batched into device calls
 # whose pieces' timeouts add up to <= 560 s, most important first (a session's 30 device minutes hold
 # about three, fewer when starts fail):
-#   bash bench/pending_device.sh call1|call2|call3|call4|call5
+#   bash bench/pending_device.sh call1|call2|call3|call3b|call4|call5
 # call1  (an H200) Qwen3-8B full-parameter with --optimizer-cpu-offload (issue 20: trains, step time); the
 #        re-run of the CPU reference's GPU test (its last GPU run failed an allocator reading, since fixed)
 # call2  the decode kernel, one layer: fp8 at 1/2/4 warps with V dim-major against token-major V
 #        and bf16; the head-packed fp8 experiment (bench/decode_packed_kernel.py) against it; the fp8 GPU tests
-# call3  the long rollout with fp8 and bf16 KV (issue 21: <= 40 s), each split into fixed, per-row and
-#        attention costs (bench/rollout_time_split.py); the decode probe with both
+# call3  the decode kernel's split rule (splits.py): a split-count sweep of one layer, the occupancy GPU test,
+#        the long rollout with fp8 KV under the wave rule and the earlier one (issue 21: <= 40 s), each split
+#        into fixed, per-row and attention costs (bench/rollout_time_split.py)
+# call3b the long rollout with bf16 KV the same way; the decode probe with both
 # call4  the GPU demo, 100 rollouts: full-parameter bf16, --lora-rank 64 (issue 20), fp8 KV (issue 21);
 #        VARIANTS="full fp8" picks some (all three can run past one call's 600 s: split them over two calls)
 # call5  the head-packed fp8 kernel in the long rollout beside the engine's kernel (worth a call once call2
@@ -38,11 +40,21 @@ call2)
         tests/test_decode_packed_kernel.py >"$OUT/kv_fp8_gpu.log" 2>&1; echo "== fp8 GPU tests: exit $?"
     tail -3 "$OUT/kv_fp8_gpu.log" ;;
 call3)
-    # where the long rollout's time goes, fp8 then bf16 (a short warm-up and the rollout each; the rollouts
-    # alone took 69 s fp8 and 101 s bf16 on an H100)
-    timeout -k 10 420 python3 bench/rollout_time_split.py --workload bench/long_workload.json \
-        --kv-dtype fp8_e4m3,bf16 --out "$OUT" >"$OUT/rollout_time_split.log" 2>&1
-    echo "== rollout time split: exit $?"; grep -E "s = fixed|warm-up rollout|Error" "$OUT/rollout_time_split.log"
+    # the decode kernel's split count (furlong/engine/splits.py): one layer at 4,096 tokens over batches that
+    # fill waves well and badly, every split count; the occupancy test; the long rollout with fp8 KV under
+    # both rules on one engine, each split into fixed, per-row and attention costs
+    timeout -k 10 150 python3 bench/decode_kernel_sweep.py --quick --engine-launch --stages 2 \
+        --batch 48,64,100,140,200,256 --context 4096 --splits 1,2,3,4,5,6,8 --kv fp8,bf16 --out "$OUT" \
+        >"$OUT/fill_sweep.log" 2>&1; echo "== split sweep: exit $?"; sed -n '/^best per/,$p' "$OUT/fill_sweep.log"
+    timeout -k 10 60 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_splits.py 2>&1 | tail -2
+    timeout -k 10 330 python3 bench/rollout_time_split.py --workload bench/long_workload.json \
+        --kv-dtype fp8_e4m3 --split-rule waves,programs --out "$OUT" >"$OUT/rollout_time_split.log" 2>&1
+    echo "== rollout time split: exit $?"; grep -E "s = fixed|warm-up rollout|Error" "$OUT/rollout_time_split.log" ;;
+call3b)
+    # bf16 KV's long rollout (the wave rule), split the same way; the decode probe with both KV dtypes
+    timeout -k 10 300 python3 bench/rollout_time_split.py --workload bench/long_workload.json \
+        --kv-dtype bf16 --out "$OUT/bf16" >"$OUT/rollout_time_split_bf16.log" 2>&1
+    echo "== rollout time split bf16: exit $?"; grep -E "s = fixed|warm-up rollout|Error" "$OUT/rollout_time_split_bf16.log"
     bash bench/bigger_models.sh decode-fp8 ;;
 call4)
     # the GPU preset cut to 100 rollouts (300 took 350 s on an H200, SFT included; 100 about 155-165 s on an
@@ -65,5 +77,5 @@ call5)
         --block-n 16,32 --warps 1,2 --stages 2 --rollout bench/long_workload.json --out "$OUT" \
         >"$OUT/packed_rollout.log" 2>&1; echo "== packed kernel rollout: exit $?"
     grep -E "^\[packed\]|^rollout +(seconds|status)|  B=" "$OUT/packed_rollout.log" ;;
-*) echo "usage: bash bench/pending_device.sh call1|call2|call3|call4|call5"; exit 2 ;;
+*) echo "usage: bash bench/pending_device.sh call1|call2|call3|call3b|call4|call5"; exit 2 ;;
 esac
