@@ -46,7 +46,9 @@ call3)
     timeout -k 10 150 python3 bench/decode_kernel_sweep.py --quick --engine-launch --stages 2 \
         --batch 48,64,100,140,200,256 --context 4096 --splits 1,2,3,4,5,6,8 --kv fp8,bf16 --out "$OUT" \
         >"$OUT/fill_sweep.log" 2>&1; echo "== split sweep: exit $?"; sed -n '/^best per/,$p' "$OUT/fill_sweep.log"
-    timeout -k 10 60 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_splits.py 2>&1 | tail -2
+    timeout -k 10 150 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=120 tests/test_splits.py \
+        tests/test_engine_gpu.py >"$OUT/engine_gpu.log" 2>&1; echo "== splits + engine GPU tests: exit $?"
+    tail -3 "$OUT/engine_gpu.log"
     timeout -k 10 330 python3 bench/rollout_time_split.py --workload bench/long_workload.json \
         --kv-dtype fp8_e4m3 --split-rule waves,programs --out "$OUT" >"$OUT/rollout_time_split.log" 2>&1
     echo "== rollout time split: exit $?"; grep -E "s = fixed|warm-up rollout|Error" "$OUT/rollout_time_split.log" ;;
