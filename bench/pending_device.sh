@@ -40,18 +40,19 @@ call2)
         tests/test_decode_packed_kernel.py >"$OUT/kv_fp8_gpu.log" 2>&1; echo "== fp8 GPU tests: exit $?"
     tail -3 "$OUT/kv_fp8_gpu.log" ;;
 call3)
-    # the decode kernel's split count (furlong/engine/splits.py): one layer at 4,096 tokens over batches that
-    # fill waves well and badly, every split count; the occupancy test; the long rollout with fp8 KV under
-    # both rules on one engine, each split into fixed, per-row and attention costs
-    timeout -k 10 150 python3 bench/decode_kernel_sweep.py --quick --engine-launch --stages 2 \
+    # the decode kernel's split count (furlong/engine/splits.py): the long rollout with fp8 KV under both
+    # rules on one engine, each split into fixed, per-row and attention costs; one layer at 4,096 tokens
+    # over batches that fill waves well and badly, every split count; the occupancy and engine GPU tests
+    timeout -k 10 300 python3 bench/rollout_time_split.py --workload bench/long_workload.json \
+        --kv-dtype fp8_e4m3 --split-rule waves,programs --out "$OUT" >"$OUT/rollout_time_split.log" 2>&1
+    echo "== rollout time split: exit $?"; grep -E "s = fixed|warm-up rollout|Error" "$OUT/rollout_time_split.log"
+    timeout -k 10 110 python3 bench/decode_kernel_sweep.py --quick --engine-launch --stages 2 \
         --batch 48,64,100,140,200,256 --context 4096 --splits 1,2,3,4,5,6,8 --kv fp8,bf16 --out "$OUT" \
         >"$OUT/fill_sweep.log" 2>&1; echo "== split sweep: exit $?"; sed -n '/^best per/,$p' "$OUT/fill_sweep.log"
-    timeout -k 10 150 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=120 tests/test_splits.py \
+    grep compiled "$OUT/fill_sweep.log"
+    timeout -k 10 130 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=120 tests/test_splits.py \
         tests/test_engine_gpu.py >"$OUT/engine_gpu.log" 2>&1; echo "== splits + engine GPU tests: exit $?"
-    tail -3 "$OUT/engine_gpu.log"
-    timeout -k 10 330 python3 bench/rollout_time_split.py --workload bench/long_workload.json \
-        --kv-dtype fp8_e4m3 --split-rule waves,programs --out "$OUT" >"$OUT/rollout_time_split.log" 2>&1
-    echo "== rollout time split: exit $?"; grep -E "s = fixed|warm-up rollout|Error" "$OUT/rollout_time_split.log" ;;
+    tail -3 "$OUT/engine_gpu.log" ;;
 call3b)
     # bf16 KV's long rollout (the wave rule), split the same way; the decode probe with both KV dtypes
     timeout -k 10 300 python3 bench/rollout_time_split.py --workload bench/long_workload.json \
