@@ -6,7 +6,7 @@ B rows at one context length; each setting is timed over CUDA-graph replays (med
 and reported with the bandwidth it reaches over the K/V (+ scale) bytes it must read. fp8 V is
 stored dim-major as the engine does (kv_cache.KVLayout.dim_major; `fp8_vtok`: token-major, the
 earlier layout). The engine's own setting is block_n 64, num_warps 4 (bf16), 1 (fp8) or 2 (fp8_vtok), V's load beside K's for fp8,
-num_stages 2 and the split count of ModelRunner.num_splits (splits.wave_splits). Tried and dropped (slower):
+num_stages 2 and the split count of ModelRunner.num_splits (splits.program_splits). Tried and dropped (slower):
 Q quantised to e4m3 for an fp8 x fp8 Q.K^T dot (no faster, 5x the output error), and K/V tiles dequantised in registers
 before the dots (6x slower); e4m3 widened to fp16 where loaded by an inline-PTX convert, so the dots read
 fp16 with ldmatrix (0.935 against 0.836 ms at B=256 x 4096 on an H100); the rows' own splits on
@@ -30,15 +30,15 @@ import torch
 from furlong.engine.kernels import paged_decode_attention
 from furlong.engine.kv_cache import KVLayout
 from furlong.engine.kv_fp8 import FP8, quantize
-from furlong.engine.splits import resident_programs, wave_splits
+from furlong.engine.splits import program_splits
 
 HQ, HKV, D, PAGE, LAYERS = 16, 8, 128, 64, 4
 ENGINE_WARPS = {"bf16": 4, "fp8": 1, "fp8_vtok": 2}   # paged_decode_attention's default (no cascade groups)
 
 
-def engine_splits(rows: int, num_sms: int, context: int = 4096, fp8: bool = True) -> int:
-    """ModelRunner.num_splits's choice for B rows at one context length (splits.wave_splits)."""
-    return wave_splits(rows, context, PAGE, HKV, num_sms * resident_programs(fp8, cascade=False))
+def engine_splits(rows: int, num_sms: int) -> int:
+    """ModelRunner.num_splits's choice for B rows (splits.program_splits, the engine's split_rule)."""
+    return program_splits(rows, HKV, num_sms)
 
 
 def compiled_occupancy() -> list[dict]:
@@ -127,7 +127,7 @@ def main() -> None:
     for batch, context in itertools.product(map(int, a.batch.split(",")), map(int, a.context.split(","))):
         for kv in a.kv.split(","):
             fp8 = kv != "bf16"
-            base = engine_splits(batch, num_sms, context, fp8)
+            base = engine_splits(batch, num_sms)
             q, k, v, ks, vs, tables, lens, nbytes = build(batch, context, fp8, gen, v_dim_major=kv == "fp8")
             ref = None
             grid = ((64,) if a.quick else (32, 64), (ENGINE_WARPS[kv],) if a.engine_launch else ints(a.warps),

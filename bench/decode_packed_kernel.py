@@ -157,7 +157,7 @@ def main() -> None:
     results = []
     for batch, context in itertools.product(map(int, a.batch.split(",")), map(int, a.context.split(","))):
         q, k, v, ks, vs, tables, lens, nbytes = build(batch, context, True, gen, v_dim_major=True)
-        base = engine_splits(batch, num_sms, context)
+        base = engine_splits(batch, num_sms)
         ref = paged_decode_attention(q, k, v, tables, lens, base, key_scales=ks, value_scales=vs)
         engine_ms = time_graph(lambda: paged_decode_attention(q, k, v, tables, lens, base, key_scales=ks,
                                                               value_scales=vs))

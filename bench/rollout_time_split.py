@@ -142,7 +142,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", default="bench/long_workload.json")
     ap.add_argument("--kv-dtype", default="fp8_e4m3,bf16")
-    ap.add_argument("--split-rule", default="waves",
+    ap.add_argument("--split-rule", default="programs",
                     help="the decode kernel's split rules to run, each on the same engine (splits.py): waves,programs")
     ap.add_argument("--out", default=".")
     a = ap.parse_args()

@@ -74,9 +74,10 @@ class ModelRunner:
         self.cascade = cascade                # may be switched between decode windows (graphs exist for both)
         self.members = cascade_members(self.args.num_heads, self.args.num_kv_heads)   # rows per cascade group
         self.cascade_min_prefix = cascade_min_prefix   # shortest shared prompt worth a group (tokens)
-        # the decode kernel's split count: "waves" (splits.wave_splits) or "programs" (the earlier rule,
-        # kept to measure against); may be switched between decode windows (graphs are per count)
-        self.split_rule = "waves"
+        # the decode kernel's split count: "programs" (splits.program_splits) or "waves" (splits.wave_splits:
+        # faster per layer at some batches, a tie over the long rollout; splits.py); may be switched
+        # between decode windows (graphs are per count)
+        self.split_rule = "programs"
         self.pool = None
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.on_gpu else 1
         self.stable: tuple | None = None      # (keys, values) StableBuffers, reserved on first use

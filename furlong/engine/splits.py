@@ -12,8 +12,15 @@ in tile-times, where tiles is the longest row's KV tiles and overhead a program'
 query load and output store; with S > 1 the combine kernel too). `wave_splits` picks the S in
 SPLIT_COUNTS that minimises it (the smaller S on ties). Example, 140 rows of 4,096 tokens, 1,056 fp8
 slots: S=1 runs 1,120 programs in two waves, the second 6% full (cost 130); S=3 runs four fuller ones
-(cost 92). `program_splits`, the earlier rule, asked only for ~4 programs per multiprocessor, the
-occupancy of the bf16 kernel at 4 warps, half that of the fp8 kernel at 1 warp.
+(cost 92). `program_splits` asks only for ~4 programs per multiprocessor (a power of two).
+
+Measured on an H100 (BENCHMARKS.md): per layer, fp8 at 4,096 tokens, the wave rule's count is as fast
+or faster than the program rule's at every batch swept (B=140: 0.417 against 0.522 ms, the case above;
+B=200 0.583 against 0.631), but the model misses some (B=256: it keeps S=1, 0.786 ms, where S=2 takes
+0.722). Over the long rollout (fp8, forced lengths up to 8,192) the two rules tie: 62.9 s (graph
+captures left out) against 62.7 s, and the wave rule captures ~30 more graphs as contexts grow. So the
+engine keeps `program_splits` (ModelRunner.split_rule = "programs"); "waves" stays selectable for the
+benches (bench/rollout_time_split.py --split-rule).
 
 Resident programs per multiprocessor come from the kernels' register use as Triton 3.6 compiles them
 for sm_90 (bench/kernel_sass.py): fp8 at 1 warp 255 registers (8 warps of 256-register allocations
