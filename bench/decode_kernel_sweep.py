@@ -12,7 +12,11 @@ before the dots (6x slower); e4m3 widened to fp16 where loaded by an inline-PTX 
 fp16 with ldmatrix (0.935 against 0.836 ms at B=256 x 4096 on an H100); the rows' own splits on
 CUDA cores, no tl.dot (each program's GQA group as [G, 1, D] against [1, N, D] tiles, fp32 multiplies and
 reductions: only the useful products, no shared-memory round trip), fp8 0.874x the engine kernel's speed
-at its best setting and bf16 even (an H100; bench/decode_fma_kernel.py at commit f15a330).
+at its best setting and bf16 even (an H100; bench/decode_fma_kernel.py at commit f15a330); all KV heads of a
+row in one program, the 16 query heads as the dots' unpadded rows (one Q.K_h^T and one P_h.V_h dot per KV
+head, so the softmax covers no padding rows: ~64-75 SASS instructions per KB against ~101 offline), 0.76-0.95x
+the engine kernel at its best setting (B=32/140/256 x 4096, an H100; bench/decode_packed_kernel.py at
+commit d262666): fewer programs, each holding 8 heads' tiles, hid less latency than the instructions saved.
 
     python3 bench/decode_kernel_sweep.py [--batch 256,64] [--context 640,4096] [--warps 2,4,8] [--stages 1,2,3,4]
         [--quick] [--out DIR]
