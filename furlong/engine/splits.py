@@ -14,10 +14,10 @@ SPLIT_COUNTS that minimises it (the smaller S on ties). Example, 140 rows of 4,0
 slots: S=1 runs 1,120 programs in two waves, the second 6% full (cost 130); S=3 runs four fuller ones
 (cost 92). `program_splits` asks only for ~4 programs per multiprocessor (a power of two).
 
-Measured on an H100 (BENCHMARKS.md): per layer, fp8 at 4,096 tokens, the wave rule's count is as fast
-or faster than the program rule's at every batch swept (B=140: 0.417 against 0.522 ms, the case above;
-B=200 0.583 against 0.631), but the model misses some (B=256: it keeps S=1, 0.786 ms, where S=2 takes
-0.722). Over the long rollout (fp8, forced lengths up to 8,192) the two rules tie: 62.9 s (graph
+Measured on an H100 (BENCHMARKS.md): per layer, fp8 at 4,096 tokens, the wave rule's count is faster
+than the program rule's at 100-200 rows (B=140: 0.417 against 0.522 ms, the case above; B=200: 0.583
+against 0.631) and within 2% at 48 and 64, but the model misses some (B=256: it keeps S=1, 0.786 ms,
+where S=2 takes 0.722). Over the long rollout (fp8, forced lengths up to 8,192) the two rules tie: 62.9 s (graph
 captures left out) against 62.7 s, and the wave rule captures ~30 more graphs as contexts grow. So the
 engine keeps `program_splits` (ModelRunner.split_rule = "programs"); "waves" stays selectable for the
 benches (bench/rollout_time_split.py --split-rule).
