@@ -45,11 +45,11 @@ import json
 import time
 from pathlib import Path
 
-from furlong.commands.demo_scale import PRESETS, DemoScale, apply_overrides
+from furlong.commands.demo_scale import PRESETS, DemoScale, RecipeScale, apply_overrides
 from furlong.config import Config
 
 
-def write_random_qwen3(out_dir: Path, tokenizer_dir: Path, scale: DemoScale, seed: int) -> Path:
+def write_random_qwen3(out_dir: Path, tokenizer_dir: Path, scale: RecipeScale, seed: int) -> Path:
     """A random-init Qwen3ForCausalLM checkpoint (transformers' own init) with our tokenizer."""
     import shutil
 
@@ -84,7 +84,7 @@ def eval_series(metrics_path: Path, key: str) -> list[tuple[int, float]]:
     return out
 
 
-def sft_config(base: Path, sft_data: Path, out: Path, scale: DemoScale, seed: int) -> Config:
+def sft_config(base: Path, sft_data: Path, out: Path, scale: RecipeScale, seed: int) -> Config:
     """SFT of `base` on `sft_data` (chat rows), cosine LR after a short warm-up, to out/sft_model."""
     sft = Config()
     sft.data.hf_checkpoint, sft.data.prompt_data = str(base), str(sft_data)
@@ -101,7 +101,7 @@ def sft_config(base: Path, sft_data: Path, out: Path, scale: DemoScale, seed: in
     return sft
 
 
-def grpo_config(out: Path, data: Path, scale: DemoScale, seed: int) -> Config:
+def grpo_config(out: Path, data: Path, scale: RecipeScale, seed: int) -> Config:
     """The reference workload's recipe (docs/design.md §1), scaled down to the demo model."""
     rl = Config()
     rl.data.hf_checkpoint, rl.data.prompt_data = str(out / "sft_model"), str(data / "train.parquet")

@@ -1,20 +1,18 @@
-"""`furlong demo`'s settings: DemoScale (every knob of the pipeline, commands/demo.py), the presets that
-`--device` / `--quick` pick, and `--set NAME=VALUE` overrides of one field (typed as the field)."""
+"""`furlong demo`'s settings: RecipeScale (the pipeline's knobs both demos share, commands/demo.py) and
+DemoScale (with the arithmetic task's), the presets that `--device` / `--quick` pick, and `--set NAME=VALUE`
+overrides of one field (typed as the field)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 
 @dataclass
-class DemoScale:
+class RecipeScale:
+    """The pipeline's knobs both demos share (the model, SFT, GRPO, evals, the device): what
+    write_random_qwen3, sft_config and grpo_config in commands/demo.py read."""
     num_train: int = 4000
     num_test: int = 200
-    max_number: int = 10
-    max_factor: int = 5
     two_step_fraction: float = 0.1
-    sft_unboxed_fraction: float = 0.5
-    sft_direct_fraction: float = 0.0  # SFT solutions that skip the worked steps (tasks/synthetic.py)
-    sft_early_stop_fraction: float = 0.0  # multi-step SFT solutions that stop after step one (tasks/synthetic.py)
     vocab_size: int = 384
     hidden: int = 128
     num_layers: int = 4
@@ -30,7 +28,7 @@ class DemoScale:
     grpo_steps_per_rollout: int = 4   # optimizer steps per rollout (each on 1/steps of its samples)
     kl_loss_coef: float = 0.0         # > 0: low_var_kl loss against the SFT model, times this
     eps_clip_high: float = 0.28       # PPO clip range above 1 (below: 0.2)
-    max_response_len: int = 40
+    max_response_len: int = 40        # tokens per response (the tool demo: per model turn)
     dynamic_filter: bool = True
     eval_interval: int = 4            # rollouts between greedy evals (0: before and after GRPO only)
     sampled_eval_samples: int = 4     # samples per held-out prompt at the rollout temperature (0: no sampled eval)
@@ -40,6 +38,15 @@ class DemoScale:
     lora_alpha: float = 16.0          # --lora-alpha (adapters' output scaled by alpha / rank)
     rollout_kv_dtype: str = "auto"    # --rollout-kv-dtype: auto | bf16 | fp8_e4m3 (rollouts and evals)
 
+
+@dataclass
+class DemoScale(RecipeScale):
+    """`furlong demo`'s arithmetic task (tasks/synthetic.py) on top of the shared recipe."""
+    max_number: int = 10
+    max_factor: int = 5
+    sft_unboxed_fraction: float = 0.5
+    sft_direct_fraction: float = 0.0  # SFT solutions that skip the worked steps (tasks/synthetic.py)
+    sft_early_stop_fraction: float = 0.0  # multi-step SFT solutions that stop after step one (tasks/synthetic.py)
 
 PRESETS = {
     "cpu": DemoScale(),

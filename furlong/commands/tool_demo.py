@@ -40,46 +40,26 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from furlong.commands.demo_scale import RecipeScale
 from furlong.config import Config
 
 EVAL_SETS = ("calc", "calc_sampled")   # greedy, and at the rollout temperature
 
 
 @dataclass
-class ToolDemoScale:
-    """The DemoScale fields (demo_scale.py) that sft_config, grpo_config and write_random_qwen3 read, plus
-    the task's."""
+class ToolDemoScale(RecipeScale):
+    """The shared recipe (demo_scale.RecipeScale) with the calculator task's fields and the defaults it
+    changes."""
     num_train: int = 3000
-    num_test: int = 200
-    digits: int = 3                   # operands up to 10**digits - 1 (products of up to 2 * digits digits)
     two_step_fraction: float = 0.0
-    sft_tool_fraction: float = 0.3    # SFT solutions that call the calculator (the rest: in the head)
     vocab_size: int = 512
-    hidden: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
     sft_epochs: int = 8               # copying 3-digit operands into a call takes the tiny model this long
-    sft_lr: float = 3e-3
-    sft_batch: int = 64
     num_rollout: int = 30
-    rollout_batch_size: int = 32
-    n_samples: int = 8
-    grpo_lr: float = 1e-4
-    grpo_lr_warmup: int = 0
     grpo_steps_per_rollout: int = 2
-    kl_loss_coef: float = 0.0
-    eps_clip_high: float = 0.28
-    max_response_len: int = 40        # tokens per model turn
-    max_context_len: int = 256        # prompt + all turns + tool tokens
-    dynamic_filter: bool = True
     eval_interval: int = 5            # rollouts between evals (0: before and after GRPO only)
-    sampled_eval_samples: int = 4     # samples per held-out prompt at T=1 (calc_sampled)
-    device: str = "cpu"
-    kv_fraction: float = 0.3
-    lora_rank: int = 0                # as DemoScale: > 0 trains LoRA adapters (--lora-rank)
-    lora_alpha: float = 16.0
-    rollout_kv_dtype: str = "auto"
-
+    digits: int = 3                   # operands up to 10**digits - 1 (products of up to 2 * digits digits)
+    sft_tool_fraction: float = 0.3    # SFT solutions that call the calculator (the rest: in the head)
+    max_context_len: int = 256        # prompt + all turns + tool tokens
 
 PRESETS = {
     "cpu": ToolDemoScale(),
