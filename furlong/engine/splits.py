@@ -1,26 +1,28 @@
 """How many ways the decode attention kernel splits each row's KV (ModelRunner's choice per decode window).
 
-The kernel (kernels.py) runs one program per (row, KV head, split). Its programs are latency-bound
-(one or a few warps each, a long dependent chain per KV tile), so a multiprocessor reads fast only
-with as many of them resident as its registers allow, and a step's programs, all about equally long
-(a rollout's rows start together and grow together), run in waves of `slots` = multiprocessors x
-resident programs. A step costs about
+The kernel (kernels.py) runs one program per (row, KV head, split); a multiprocessor holds as many
+at once as their registers allow. Two rules:
 
-    waves x per-program tiles = ceil(rows x KV heads x S / slots) x (ceil(tiles / S) + overhead)
-
-in tile-times, where tiles is the longest row's KV tiles and overhead a program's fixed cost (its
-query load and output store; with S > 1 the combine kernel too). `wave_splits` picks the S in
-SPLIT_COUNTS that minimises it (the smaller S on ties). Example, 140 rows of 4,096 tokens, 1,056 fp8
-slots: S=1 runs 1,120 programs in two waves, the second 6% full (cost 130); S=3 runs four fuller ones
-(cost 92). `program_splits` asks only for ~4 programs per multiprocessor (a power of two).
+program_splits (the engine's): a power of two giving ~4 programs per multiprocessor, so that small
+    batches still occupy the GPU.
+wave_splits (a model, measured; selectable): a step's programs, all about equally long (a rollout's
+    rows start together and grow together), run in waves of `slots` = multiprocessors x resident
+    programs, and a step costs about
+        waves x per-program tiles = ceil(rows x KV heads x S / slots) x (ceil(tiles / S) + overhead)
+    in tile-times (tiles: the longest row's KV tiles; overhead: a program's fixed cost, its query load
+    and output store, with S > 1 the combine kernel too); it picks the S in SPLIT_COUNTS minimising
+    that (the smaller S on ties). Example, 140 rows of 4,096 tokens on 1,056 fp8 slots: S=1 runs 1,120
+    programs in two waves, the second 6% full (cost 130); S=8 runs nine fuller ones (cost 81).
 
 Measured on an H100 (BENCHMARKS.md): per layer, fp8 at 4,096 tokens, the wave rule's count is faster
 than the program rule's at 100-200 rows (B=140: 0.417 against 0.522 ms, the case above; B=200: 0.583
 against 0.631) and within 2% at 48 and 64, but the model misses some (B=256: it keeps S=1, 0.786 ms,
-where S=2 takes 0.722). Over the long rollout (fp8, forced lengths up to 8,192) the two rules tie: 62.9 s (graph
-captures left out) against 62.7 s, and the wave rule captures ~30 more graphs as contexts grow. So the
-engine keeps `program_splits` (ModelRunner.split_rule = "programs"); "waves" stays selectable for the
-benches (bench/rollout_time_split.py --split-rule).
+where S=2 takes 0.722), and half-filled multiprocessors read nearly as fast as full ones (B=64: 0.194
+ms at S=1 against 0.187 at S=2), so the kernel is not as latency-bound as the model assumes. Over the
+long rollout (fp8, forced lengths up to 8,192) the two rules tie: 62.9 s (graph captures left out)
+against 62.7 s, and the wave rule captures ~30 more graphs as contexts grow. So the engine keeps
+`program_splits` (ModelRunner.split_rule = "programs"); "waves" stays for the benches
+(bench/rollout_time_split.py --split-rule).
 
 Resident programs per multiprocessor come from the kernels' register use as Triton 3.6 compiles them
 for sm_90 (bench/kernel_sass.py): fp8 at 1 warp 255 registers (8 warps of 256-register allocations
@@ -42,7 +44,7 @@ def resident_programs(fp8: bool, cascade: bool) -> int:
 
 
 def program_splits(rows: int, num_kv_heads: int, num_sms: int, cap: int = 16) -> int:
-    """The earlier rule: a power of two in [1, cap] giving ~4 programs per multiprocessor."""
+    """The engine's rule: a power of two in [1, cap] giving ~4 programs per multiprocessor."""
     want = -(-4 * num_sms // (max(1, rows) * num_kv_heads))
     return max(1, min(cap, 1 << (want - 1).bit_length()))
 
