@@ -112,13 +112,16 @@ def profile(model: Transformer, cfg: EngineConfig, prompts: list[list[int]], a: 
         runner.decode(seqs, 4)
     per_kind: dict[str, float] = defaultdict(float)
     per_kernel: dict[str, float] = defaultdict(float)
+    calls: dict[str, float] = defaultdict(float)     # launches per step: which are per layer (28), per step (1)
     for e in prof.key_averages():
         us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
         if us <= 0 or e.key.startswith("cuda"):    # runtime API entries, not kernels
             continue
         per_kind[kind(e.key)] += us / 4 / 1000
         per_kernel[e.key] += us / 4 / 1000
+        calls[e.key] += e.count / 4
     total = sum(per_kind.values())
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15]
     res = {"kv_dtype": cfg.kv_dtype, "kv_bytes_per_token": eng.runner.page_bytes() / cfg.page_size,
            "batch": a.batch, "context": a.context, "prompt": prompt_len, "group": a.group,
            "grouped_rows": sum(1 for p in plan_groups(seqs, runner.members).prefix_lens if p > 0),
@@ -126,7 +129,9 @@ def profile(model: Transformer, cfg: EngineConfig, prompts: list[list[int]], a: 
            "graphed_step_ms_no_cascade": graphed[False], "profiled_cascade": runner.cascade,
            "kernel_ms_per_step": total,
            "by_kind_ms": dict(sorted(per_kind.items(), key=lambda kv: -kv[1])),
-           "top_kernels_ms": dict(sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15])}
+           "top_kernels_ms": dict(top),
+           "top_kernels_calls_per_step": {k: calls[k] for k, _ in top},
+           "kernels_per_step": sum(calls.values())}
     runner.use_cuda_graphs = True
     for s in seqs:
         eng.scheduler.finish(s, "abort")            # the pages taken outside the scheduler go back too
