@@ -43,6 +43,27 @@ def test_program_rule_as_before():
     assert program_splits(3, 8, 132, cap=4) == 4
 
 
+def test_model_runner_dispatches_each_rule(tmp_path):
+    """ModelRunner.num_splits on a (pretended) GPU: the program rule counts the bucket's padded rows, the
+    wave rule the real rows, the longest context and the kernel variant's slots; the CPU always 1."""
+    from furlong.engine import Engine, EngineConfig
+    from furlong.models.hf_io import load_pretrained
+    from tiny_checkpoints import write_tiny_checkpoint
+    path = write_tiny_checkpoint(tmp_path, family="qwen3", vocab_size=128, hidden=64, layers=2, heads=4,
+                                 kv_heads=2, seed=0)
+    runner = Engine(load_pretrained(path, dtype=torch.float32, device="cpu"), None, [],
+                    EngineConfig(page_size=64, cpu_kv_tokens=1024, kv_dtype="fp8_e4m3")).runner
+    assert runner.split_rule == "programs" and runner.num_splits(3, 4, 5000, False) == 1      # the CPU
+    runner.on_gpu, runner.num_sms = True, 132
+    assert runner.num_splits(70, 80, 4096, False) == program_splits(80, 2, 132) == 4
+    runner.split_rule = "waves"
+    # 2 KV heads here: 70 real rows pick 6 on fp8's 1,056 slots, 3 on the cascade variant's 528, and
+    # 60 real rows in the same bucket 8: each input reaches the rule
+    assert runner.num_splits(70, 80, 4096, False) == wave_splits(70, 4096, 64, 2, 132 * 8) == 6
+    assert runner.num_splits(70, 80, 4096, True) == wave_splits(70, 4096, 64, 2, 132 * 4) == 3
+    assert runner.num_splits(60, 80, 4096, False) == 8
+
+
 def test_resident_programs_by_kernel_variant():
     assert resident_programs(fp8=True, cascade=False) == 8
     assert resident_programs(fp8=True, cascade=True) == 4
