@@ -34,7 +34,7 @@ import torch
 from furlong.engine.kernels import paged_decode_attention
 from furlong.engine.kv_cache import KVLayout
 from furlong.engine.kv_fp8 import FP8, quantize
-from furlong.engine.splits import program_splits
+from furlong.engine.splits import program_splits, programs_per_sm
 
 HQ, HKV, D, PAGE, LAYERS = 16, 8, 128, 64, 4
 ENGINE_WARPS = {"bf16": 4, "fp8": 1, "fp8_vtok": 2}   # paged_decode_attention's default (no cascade groups)
@@ -53,12 +53,9 @@ def compiled_occupancy() -> list[dict]:
     for cache in _decode_attn_kernel.device_caches.values():
         for k in cache[0].values():
             k._init_handles()
-            warps = k.metadata.num_warps
-            regs_per_warp = -(-k.n_regs * 32 // 256) * 256
-            by_regs = 65536 // regs_per_warp // warps
-            by_smem = 233472 // (k.metadata.shared + 1024)
-            rows.append(dict(n_regs=k.n_regs, n_spills=k.n_spills, shared=k.metadata.shared, warps=warps,
-                             programs_per_sm=min(by_regs, by_smem, 32, 64 // warps)))
+            warps, shared = k.metadata.num_warps, k.metadata.shared
+            rows.append(dict(n_regs=k.n_regs, n_spills=k.n_spills, shared=shared, warps=warps,
+                             programs_per_sm=programs_per_sm(k.n_regs, warps, shared)))
     return rows
 
 

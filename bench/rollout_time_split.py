@@ -112,13 +112,13 @@ def tb_s(f: TimeSplit) -> str:
     return "n/a TB/s" if f.implied_attention_tb_s is None else f"{f.implied_attention_tb_s:.2f} TB/s"
 
 
-def plot(samples_by_kv: dict[str, list[StepSample]], splits: dict[str, TimeSplit], path: Path) -> None:
+def plot(samples_by_run: dict[str, list[StepSample]], fits: dict[str, TimeSplit], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    for kv, samples in samples_by_kv.items():
-        f = splits[kv]
+    for run, samples in samples_by_run.items():
+        f = fits[run]
         t, xs, ys, fit = 0, [], [], []
         for s in samples:
             if s.num_steps:
@@ -126,9 +126,9 @@ def plot(samples_by_kv: dict[str, list[StepSample]], splits: dict[str, TimeSplit
                 ys.append(s.seconds / s.num_steps * 1e3)
                 fit.append(f.fixed_ms_per_step + f.ms_per_row * s.padded_rows + f.ns_per_context_token * 1e-6 * s.context_tokens)
             t += s.num_steps
-        line, = ax.plot(xs, ys, lw=0.8, label=f"{kv}: measured ({f.seconds:.1f} s)")
+        line, = ax.plot(xs, ys, lw=0.8, label=f"{run}: measured ({f.seconds:.1f} s)")
         ax.plot(xs, fit, lw=1.5, ls="--", color=line.get_color(),
-                label=f"{kv}: fit {f.fixed_ms_per_step:.2f} ms + rows + attention at {tb_s(f)}")
+                label=f"{run}: fit {f.fixed_ms_per_step:.2f} ms + rows + attention at {tb_s(f)}")
     ax.set_xlabel("decode step")
     ax.set_ylabel("ms per decode step")
     ax.set_title("Rollout: time per decode step and its fit (fixed + per row + per attended token)")
@@ -152,7 +152,7 @@ def main() -> None:
     w = load_workload(a.workload)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    samples_by_kv, splits, report = {}, {}, {}
+    samples_by_run, fits, report = {}, {}, {}     # keyed by run: '<kv dtype> <split rule>'
     for kv in a.kv_dtype.split(","):
         b = Bench(w, kv_dtype=kv)
         g = torch.Generator().manual_seed(b.seed + 2)
@@ -176,7 +176,7 @@ def main() -> None:
             engine.release()
             per_token = engine.runner.page_bytes() / engine.runner.page_size
             split = fit_time_split(samples, per_token)
-            samples_by_kv[name], splits[name] = samples, split
+            samples_by_run[name], fits[name] = samples, split
             report[name] = dict(split=asdict(split), kv_bytes_per_token=per_token, steps=[asdict(s) for s in samples])
             print(f"{name}: {split.seconds:.1f} s (steady {split.steady_seconds:.1f} s) = fixed {split.fixed_s:.1f} "
                   f"({split.fixed_ms_per_step:.3f} ms/step) + rows {split.rows_s:.1f} ({split.ms_per_row * 1e3:.2f} "
@@ -186,7 +186,7 @@ def main() -> None:
         del engine, b
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     (out / "rollout_time_split.json").write_text(json.dumps(report))
-    plot(samples_by_kv, splits, out / "rollout_time_split.png")
+    plot(samples_by_run, fits, out / "rollout_time_split.png")
     print(f"wrote {out / 'rollout_time_split.json'} and {out / 'rollout_time_split.png'}")
 
 

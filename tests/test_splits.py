@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from furlong.engine.splits import SPLIT_COUNTS, program_splits, resident_programs, wave_cost, wave_splits
+from furlong.engine.splits import (SPLIT_COUNTS, program_splits, programs_per_sm, resident_programs, wave_cost,
+                                   wave_splits)
 
 SLOTS = 132 * 8          # an H100/H200's multiprocessors x the fp8 kernel's resident programs
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,6 +69,11 @@ def test_resident_programs_by_kernel_variant():
     assert resident_programs(fp8=True, cascade=False) == 8
     assert resident_programs(fp8=True, cascade=True) == 4
     assert resident_programs(fp8=False, cascade=False) == resident_programs(fp8=False, cascade=True) == 4
+    # the counts follow from the sm_90 compiles splits.py cites (registers, warps, shared bytes)
+    assert programs_per_sm(255, 1, 20992) == resident_programs(fp8=True, cascade=False)
+    assert programs_per_sm(202, 2, 23040) == resident_programs(fp8=True, cascade=True)
+    assert programs_per_sm(115, 4, 38912) == resident_programs(fp8=False, cascade=False)
+    assert programs_per_sm(32, 1, 0) == 32 and programs_per_sm(64, 4, 100_000) == 2    # block and smem caps
 
 
 @pytest.mark.gpu
@@ -96,8 +102,6 @@ def test_resident_programs_match_the_compiled_kernel(fp8, cascade):
     torch.cuda.synchronize()
     (kernel,) = [x for cache in _decode_attn_kernel.device_caches.values() for x in cache[0].values()]
     kernel._init_handles()
-    warps = kernel.metadata.num_warps
-    by_regs = 65536 // (-(-kernel.n_regs * 32 // 256) * 256) // warps
     smem = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_multiprocessor", 233472)   # sm_90: 228 KB
-    by_smem = smem // (kernel.metadata.shared + 1024)
-    assert min(by_regs, by_smem, 32, 64 // warps) == resident_programs(fp8, cascade)
+    assert programs_per_sm(kernel.n_regs, kernel.metadata.num_warps, kernel.metadata.shared,
+                           smem) == resident_programs(fp8, cascade)

@@ -37,6 +37,14 @@ SPLIT_COUNTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)   # a short list: every count a
 OVERHEAD_TILES = 1.0                               # a program's fixed cost, in KV-tile times (not measured)
 
 
+def programs_per_sm(n_regs: int, num_warps: int, shared_bytes: int, smem_per_sm: int = 233472) -> int:
+    """Programs of a compiled kernel one sm_90 multiprocessor holds: registers allocated per warp in
+    units of 256 from a 64K file, shared memory (228 KB, 1 KB reserved per block), at most 32 blocks
+    and 64 warps."""
+    by_regs = 65536 // (-(-n_regs * 32 // 256) * 256) // num_warps
+    return min(by_regs, smem_per_sm // (shared_bytes + 1024), 32, 64 // num_warps)
+
+
 def resident_programs(fp8: bool, cascade: bool) -> int:
     """Decode kernel programs one sm_90 multiprocessor holds at once, as the engine launches them
     (kernels.paged_decode_attention's default warps: fp8 1, or 2 with cascade groups; bf16 4)."""
