@@ -8,7 +8,8 @@
 # call2  the long rollout with fp8 and bf16 KV on one card (issue 21: <= 40 s; on an H200, the issue's own
 #        card, these have not run since fp8's V became dim-major and its kernel 1-warp), each split into
 #        fixed, per-row and attention costs (bench/rollout_time_split.py); the decode probe with both; the
-#        fp8 GPU tests (the V-zeroing test's fix has not run on a GPU)
+#        decode step's matmuls against their floor (bench/decode_gemm_sweep.py); the fp8 GPU tests (the
+#        V-zeroing test's fix has not run on a GPU)
 # call3  the GPU demo, 100 rollouts: full-parameter bf16, --lora-rank 64 (issue 20), fp8 KV (issue 21);
 #        VARIANTS="full fp8" picks some (all three can run past one call's 600 s: split them over two calls)
 # Measured on an H100 and dropped from here: the mixed-step GPU test and multi-turn (1.20x), the long
@@ -25,11 +26,13 @@ call1)
     timeout -k 10 100 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=90 tests/test_offload_gpu.py \
         >"$OUT/offload_gpu.log" 2>&1; echo "== offload GPU tests: exit $?"; tail -3 "$OUT/offload_gpu.log" ;;
 call2)
-    timeout -k 10 330 python3 bench/rollout_time_split.py --workload bench/long_workload.json \
+    timeout -k 10 310 python3 bench/rollout_time_split.py --workload bench/long_workload.json \
         --kv-dtype fp8_e4m3,bf16 --out "$OUT" >"$OUT/rollout_time_split.log" 2>&1
     echo "== rollout time split: exit $?"; grep -E "s = fixed|\(steady|warm-up rollout|Error" "$OUT/rollout_time_split.log"
     bash bench/bigger_models.sh decode-fp8
-    timeout -k 10 130 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging --timeout=120 \
+    timeout -k 10 45 python3 bench/decode_gemm_sweep.py --out "$OUT" >"$OUT/decode_gemm_sweep.log" 2>&1
+    echo "== decode GEMM sweep: exit $?"; grep -E "^B=|Error" "$OUT/decode_gemm_sweep.log"
+    timeout -k 10 100 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging --timeout=90 \
         tests/test_kv_fp8_gpu.py >"$OUT/kv_fp8_gpu.log" 2>&1; echo "== fp8 GPU tests: exit $?"
     tail -3 "$OUT/kv_fp8_gpu.log" ;;
 call3)

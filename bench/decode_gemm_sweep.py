@@ -1,0 +1,95 @@
+"""The decode step's matmuls alone: each projection of a Qwen3 layer and the LM head at decode batch sizes
+(device).
+
+A decode step multiplies B rows (one token per running sequence) by every weight once: at B <= 256 these
+are skinny GEMMs whose weights are read once per step. The profile of a graphed step (profile_decode.py)
+puts ~0.9 ms of a 3.5 ms B=256 step in matmuls for 0.3 TFLOP and 1.19 GB of weights: this script says
+which shapes fall short of their floor, max(weight bytes / bandwidth, FLOPs / peak), and by how much.
+Each shape is timed as F.linear (cuBLAS, what the engine runs) over CUDA-graph replays of 28 copies of
+the weight (a layer's matmul in a model's step reads a weight not in L2), median of 5 x 20 replays.
+
+    python3 bench/decode_gemm_sweep.py [--batch 16,64,128,256] [--model qwen3-0.6b|qwen3-4b|qwen3-8b]
+        [--bandwidth-tbs 3.35] [--peak-tflops 790] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# (hidden, intermediate, query heads, KV heads, head_dim, vocab) of the published configs
+MODELS = {"qwen3-0.6b": (1024, 3072, 16, 8, 128, 151936), "qwen3-4b": (2560, 9728, 32, 8, 128, 151936),
+          "qwen3-8b": (4096, 12288, 32, 8, 128, 151936)}
+COPIES = 28     # distinct weights per shape, cycled, so each replay reads from HBM as a model's layers do
+
+
+def shapes(model: str) -> dict[str, tuple[int, int]]:
+    """name -> (in features K, out features N) of the engine's fused projections (forward.py)."""
+    h, inter, hq, hkv, d, vocab = MODELS[model]
+    return {"qkv": (h, (hq + 2 * hkv) * d), "o": (hq * d, h), "gate_up": (h, 2 * inter), "down": (inter, h),
+            "lm_head": (h, vocab)}
+
+
+def time_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> float:
+    """ms per F.linear, the weights cycled inside one captured graph."""
+    outs = [F.linear(x, w) for w in weights]          # warm-up, cuBLAS picks its kernel
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = [F.linear(x, w) for w in weights]
+    torch.cuda.synchronize()
+    del outs
+    samples = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 20 / len(weights))
+    return statistics.median(samples)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", default="16,64,128,256", help="decode rows (comma list)")
+    ap.add_argument("--model", default="qwen3-0.6b", choices=sorted(MODELS))
+    ap.add_argument("--bandwidth-tbs", type=float, default=None,
+                    help="the card's HBM peak, TB/s (default by name: H200 4.8, else the H100's 3.35)")
+    ap.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 dense matmul peak, TFLOP/s")
+    ap.add_argument("--out", default=".")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    a.bandwidth_tbs = a.bandwidth_tbs or (4.8 if "H200" in torch.cuda.get_device_name() else 3.35)
+    torch.manual_seed(0)
+    rows = []
+    for name, (k, n) in shapes(a.model).items():
+        copies = 2 if name == "lm_head" else COPIES    # the head is one weight (311 MB at 0.6B: past L2 anyway)
+        weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        for b in (int(x) for x in a.batch.split(",")):
+            x = torch.randn(b, k, device=dev, dtype=torch.bfloat16)
+            ms = time_linear(x, weights)
+            floor_ms = max(2 * n * k / a.bandwidth_tbs / 1e9, 2 * b * n * k / a.peak_tflops / 1e9)
+            rows.append({"shape": name, "k": k, "n": n, "batch": b, "ms": ms, "floor_ms": floor_ms,
+                         "weight_tbs": 2 * n * k / ms / 1e9, "tflops": 2 * b * n * k / ms / 1e9})
+            print(f"{name:8s} K={k:5d} N={n:6d} B={b:4d}  {ms * 1000:8.2f} us  floor {floor_ms * 1000:7.2f} us  "
+                  f"({floor_ms / ms:5.1%})  weights {rows[-1]['weight_tbs']:.2f} TB/s", flush=True)
+        del weights
+    layers = {"qwen3-0.6b": 28, "qwen3-4b": 36, "qwen3-8b": 36}[a.model]
+    for b in (int(x) for x in a.batch.split(",")):
+        step = sum(r["ms"] * (1 if r["shape"] == "lm_head" else layers) for r in rows if r["batch"] == b)
+        floor = sum(r["floor_ms"] * (1 if r["shape"] == "lm_head" else layers) for r in rows if r["batch"] == b)
+        print(f"B={b:4d}: a step's matmuls {step:.3f} ms against a floor of {floor:.3f} ms ({floor / step:.0%})")
+    out = Path(a.out) / "decode_gemm_sweep.json"
+    out.write_text(json.dumps({"model": a.model, "device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
