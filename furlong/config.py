@@ -188,6 +188,10 @@ class ParallelFlags:
                                        "(8 bytes per parameter on each side instead of 16 on one)",
                                        miles="Megatron's flag; furlong's own placement: the update runs on the GPU "
                                              "(trainer/optimizer_offload.py)")
+    overlap_cpu_optimizer_d2h_h2d: bool = flag(
+        False, "accepted for miles/Megatron recipes: --optimizer-cpu-offload always overlaps its moment copies "
+               "with the update (two side streams), so this changes nothing",
+        miles="Megatron's flag; furlong's offloaded optimizer always overlaps (trainer/optimizer_offload.py)")
     fsdp_reshard_after_forward: bool = flag(
         False, "free each layer's gathered weights after its forward and re-gather them in backward and for "
                "every micro-batch (saves one compute-dtype copy of the model per rank; slower)")

@@ -97,6 +97,8 @@ def start_up_notes(cfg: Config) -> list[str]:
                      "miles)")
     if cfg.debug.debug_rollout_only and cfg.ckpt.save is not None:
         notes.append("--save: nothing is saved under --debug-rollout-only (nothing trains)")
+    if cfg.parallel.overlap_cpu_optimizer_d2h_h2d and not cfg.parallel.optimizer_cpu_offload:
+        notes.append("--overlap-cpu-optimizer-d2h-h2d: no effect without --optimizer-cpu-offload")
     if cfg.reward_mode.group_rm and cfg.reward.custom_rm_path is None:
         notes.append("--group-rm: no effect without --custom-rm-path (built-in rewards score one sample at a time)")
     return notes
