@@ -3,8 +3,10 @@
 # whose pieces' timeouts add up to <= 560 s, most important first (a session's 30 device minutes hold
 # about three, fewer when starts fail):
 #   bash bench/pending_device.sh call1|call2|call3
-# call1  (an H200) Qwen3-8B full-parameter with --optimizer-cpu-offload (issue 20: trains, step time); the
-#        re-run of the CPU reference's GPU test (its last GPU run failed an allocator reading, since fixed)
+# call1  Qwen3-8B full-parameter with --optimizer-cpu-offload (issue 20: trains, step time): sized for an H200;
+#        on an 80 GB H100 its fp32 weights and gradients alone take 61 GiB, and the memory plan says whether
+#        any token budget fits beside them; the re-run of the CPU reference's GPU test (its last GPU run
+#        failed an allocator reading, since fixed)
 # call2  the long rollout with fp8 and bf16 KV on one card (issue 21: <= 40 s; on an H200, the issue's own
 #        card, these have not run since fp8's V became dim-major and its kernel 1-warp), each split into
 #        fixed, per-row and attention costs (bench/rollout_time_split.py); the decode probe with both; the
