@@ -5,7 +5,7 @@ B rows at one context on random Qwen3-0.6B weights, profiled with torch.profiler
 with cascade attention on and off (alternating, 3 each, same rows).
 
     python3 bench/profile_decode.py [--batch 256] [--context 384] [--prompt P] [--group N] [--no-cascade]
-        [--kv-dtype bf16,fp8_e4m3] [--out DIR]
+        [--kv-dtype bf16,fp8_e4m3] [--fuse-prologue off|on|both] [--out DIR]
 --group N: the B rows are B/N requests of N samples each (one shared prompt per request: cascade
 attention reads it once per group unless --no-cascade); default 1, every row its own prompt.
 --kv-dtype: the KV cache's dtype (EngineConfig.kv_dtype); a comma list profiles each in turn, same
@@ -54,6 +54,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default: the whole context)")
     ap.add_argument("--group", type=int, default=1, help="samples per prompt (rows sharing one prompt)")
     ap.add_argument("--no-cascade", action="store_true", help="profile with cascade off (both are timed)")
+    ap.add_argument("--fuse-prologue", choices=("off", "on", "both"), default="off",
+                    help="ModelRunner.fuse_prologue (qk-norm, RoPE and the KV store in one kernel); both: "
+                         "each dtype with it off, then on")
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
     prompt_len = a.context if a.prompt is None else a.prompt
@@ -66,13 +69,15 @@ def main() -> None:
         model = Transformer(ModelArgs.from_hf_config(w.model)).to(torch.bfloat16).eval()
     prompts = torch.randint(0, w.model["vocab_size"], (a.batch // a.group, prompt_len)).tolist()
     runs = []
+    fused = {"off": [False], "on": [True], "both": [False, True]}[a.fuse_prologue]
     for kv_dtype in kv_dtypes:
         try:
             cfg = EngineConfig(max_model_len=a.context + 4 * STEPS, max_num_seqs=a.batch, cascade_min_prefix=1,
                                kv_dtype=kv_dtype)
         except ValueError as e:
             ap.error(str(e))
-        runs.append(profile(model, cfg, prompts, a, prompt_len))
+        for fuse in fused:
+            runs.append(profile(model, cfg, prompts, a, prompt_len, fuse))
     res = runs[0] if len(runs) == 1 else {"runs": runs}
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "profile_decode.json").write_text(json.dumps(res, indent=1))
@@ -80,10 +85,11 @@ def main() -> None:
 
 
 def profile(model: Transformer, cfg: EngineConfig, prompts: list[list[int]], a: argparse.Namespace,
-            prompt_len: int) -> dict:
+            prompt_len: int, fuse_prologue: bool = False) -> dict:
     """One engine at this config: rows decoded to the context, then timed and profiled."""
     # cascade_min_prefix 1 (cfg): the kernel is timed with and without groups whatever the prompt length
     eng = Engine(model, NullTokenizer(), [], cfg)
+    eng.runner.fuse_prologue = fuse_prologue                # before the first window: graphs keep their path
     params = SamplingParams(temperature=1.0, max_new_tokens=a.context - prompt_len + 4 * STEPS, ignore_eos=True)
     for i, p in enumerate(prompts):
         eng.add(Request(i, p, params, n=a.group, seed=i))
@@ -122,7 +128,7 @@ def profile(model: Transformer, cfg: EngineConfig, prompts: list[list[int]], a: 
         calls[e.key] += e.count / 4
     total = sum(per_kind.values())
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15]
-    res = {"kv_dtype": cfg.kv_dtype, "kv_bytes_per_token": eng.runner.page_bytes() / cfg.page_size,
+    res = {"kv_dtype": cfg.kv_dtype, "fuse_prologue": fuse_prologue, "kv_bytes_per_token": eng.runner.page_bytes() / cfg.page_size,
            "batch": a.batch, "context": a.context, "prompt": prompt_len, "group": a.group,
            "grouped_rows": sum(1 for p in plan_groups(seqs, runner.members).prefix_lens if p > 0),
            "graphed_step_ms": sorted(graphed[runner.cascade])[1], "graphed_step_ms_cascade": graphed[True],

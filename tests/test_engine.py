@@ -292,3 +292,30 @@ def test_stats_count_the_context_each_decode_row_attends_to(ckpt, window):
     assert st.num_decode_steps == steps0 and st.num_decode_rows == steps0 + steps1
     assert st.num_context_tokens == ctx(p, steps0) + ctx(2 * p, steps1)
     assert st.mean_context == pytest.approx(st.num_context_tokens / (steps0 + steps1))
+
+
+@torch.no_grad()
+def test_forward_hands_attend_qkv_the_projection_pre_attention_norms_and_ropes(ckpt):
+    """EngineForward.hidden's fused-prologue path (decode on CUDA: store_kernels.decode_prologue) gets the
+    q|k|v projection, the norm weights, cos/sin and eps such that qk-norm + RoPE of it are exactly
+    pre_attention's q, k, v: the same hidden states as the unfused path, here with both attending causally
+    over the token's own sequence in plain torch."""
+    from furlong.engine.forward import EngineForward, rms_norm, rope
+    from furlong.models.attention import packed_attention
+    model, _ = ckpt
+    fwd = EngineForward(model, compile=False)
+    a = fwd.args
+    ids, pos = torch.tensor([5, 9, 17, 3, 44, 101]), torch.arange(6)
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+
+    def attend(layer, q, k, v):
+        return packed_attention(q, k, v, cu, 6)
+
+    def attend_qkv(layer, qkv, q_norm, k_norm, cos, sin, eps):
+        n, d = qkv.shape[0], a.head_dim
+        q, k, v = qkv.split([a.num_heads * d, a.num_kv_heads * d, a.num_kv_heads * d], dim=-1)
+        q, k, v = q.reshape(n, -1, d), k.reshape(n, -1, d), v.reshape(n, -1, d)
+        return attend(layer, rope(rms_norm(q, q_norm, eps), cos, sin), rope(rms_norm(k, k_norm, eps), cos, sin), v)
+
+    assert fwd.layers[0].qn_w is not None                     # Qwen3: the norms are exercised
+    torch.testing.assert_close(fwd.hidden(ids, pos, attend, attend_qkv), fwd.hidden(ids, pos, attend), rtol=0, atol=0)

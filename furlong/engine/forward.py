@@ -6,6 +6,9 @@ Tokens are rows ([N, ...]: the packed tokens of a prefill or one token per
 sequence in a decode step). A layer is
     q, k, v = pre_attention(x)      RMSNorm, one QKV matmul, qk-norm, RoPE
     o = attend(layer, q, k, v)      the KV-cache context (kv_cache.py)
+or, in a decode step on CUDA, with qk-norm, RoPE and the KV store in one kernel:
+    qkv = project_qkv(x)            RMSNorm, one QKV matmul
+    o = attend_qkv(layer, qkv, ..)  store_kernels.decode_prologue, then the attention
     x = post_attention(x, o)        o-projection + residual, RMSNorm, one gate|up matmul, SiLU*up, down + residual
 with the same arithmetic as models/decoder.py (RMSNorm and RoPE in fp32, cast
 back before the weight) so the engine and the trainer compute the same
@@ -60,6 +63,13 @@ def pre_attention(x: torch.Tensor, ln_w: torch.Tensor, qkv_w: torch.Tensor, qkv_
     if qn_w is not None:
         q, k = rms_norm(q, qn_w, eps), rms_norm(k, kn_w, eps)
     return rope(q, cos, sin), rope(k, cos, sin), v
+
+
+def project_qkv(x: torch.Tensor, ln_w: torch.Tensor, qkv_w: torch.Tensor, qkv_b: torch.Tensor | None,
+                eps: float) -> torch.Tensor:
+    """x [N, H] -> the fused q|k|v projection [N, (Hq + 2 Hkv) D], before qk-norm and RoPE (the decode
+    prologue kernel, store_kernels.decode_prologue, applies those)."""
+    return F.linear(rms_norm(x, ln_w, eps), qkv_w, qkv_b)
 
 
 def post_attention(x: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None,
@@ -118,22 +128,30 @@ class EngineForward:
         self.model = model
         self.args = model.args
         self.layers = fuse_projections(model)
-        self.pre, self.post, self.norm = pre_attention, post_attention, rms_norm
+        self.pre, self.project, self.post, self.norm = pre_attention, project_qkv, post_attention, rms_norm
         if compile:
             self.pre = torch.compile(pre_attention, dynamic=True)
+            self.project = torch.compile(project_qkv, dynamic=True)
             self.post = torch.compile(post_attention, dynamic=True)
             self.norm = torch.compile(rms_norm, dynamic=True)
 
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
-               attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """input_ids, positions [N] -> final-normed hidden [N, H]; attend(layer, q, k, v) -> [N, Hq, D]."""
+               attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+               attend_qkv: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+        """input_ids, positions [N] -> final-normed hidden [N, H]; attend(layer, q, k, v) -> [N, Hq, D].
+        attend_qkv(layer, qkv, q_norm, k_norm, cos, sin, eps) -> [N, Hq, D], when given, takes the
+        projection before qk-norm and RoPE and applies them itself (DecodeContext.attend_qkv)."""
         a, m = self.args, self.model
         x = m.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, m.inv_freq, m.rope_attention_factor)
         for i, w in enumerate(self.layers):
-            q, k, v = self.pre(x, w.ln_w, w.qkv_w, w.qkv_b, w.qn_w, w.kn_w, cos, sin, a.rms_norm_eps,
-                               a.num_heads, a.num_kv_heads, a.head_dim)
-            o = attend(i, q, k, v)
+            if attend_qkv is not None:
+                o = attend_qkv(i, self.project(x, w.ln_w, w.qkv_w, w.qkv_b, a.rms_norm_eps), w.qn_w, w.kn_w, cos,
+                               sin, a.rms_norm_eps)
+            else:
+                q, k, v = self.pre(x, w.ln_w, w.qkv_w, w.qkv_b, w.qn_w, w.kn_w, cos, sin, a.rms_norm_eps,
+                                   a.num_heads, a.num_kv_heads, a.head_dim)
+                o = attend(i, q, k, v)
             x = self.post(x, o, w.o_w, w.o_b, w.post_ln_w, w.gu_w, w.gu_b, w.down_w, w.down_b, a.rms_norm_eps,
                           a.intermediate_size)
         return self.norm(x, m.norm.weight, a.rms_norm_eps)

@@ -201,6 +201,19 @@ class DecodeContext:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.write(layer, self.page, self.offset, k, v)
+        return self._read(layer, q)
+
+    def attend_qkv(self, layer: int, qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                   cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+        """attend() from the fused projection qkv [B, (Hq + 2 Hkv) D] before qk-norm and RoPE (cos/sin
+        [B, D]): one Triton kernel norms and ropes q and k and stores k and v (CUDA only)."""
+        from furlong.engine.store_kernels import decode_prologue
+        c = self.cache.layer(layer)
+        q = decode_prologue(qkv, q_norm, k_norm, cos, sin, eps, c.keys, c.values, self.page, self.offset,
+                            c.key_scales, c.value_scales)
+        return self._read(layer, q)
+
+    def _read(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         c = self.cache.layer(layer)
         scales = dict(key_scales=c.key_scales, value_scales=c.value_scales)
         if self.use_triton:

@@ -78,6 +78,11 @@ class ModelRunner:
         # faster per layer at some batches, a tie over the long rollout; splits.py); may be switched
         # between decode windows (graphs are per count)
         self.split_rule = "programs"
+        # decode steps on CUDA: qk-norm, RoPE and the KV store in one kernel per layer
+        # (store_kernels.decode_prologue) instead of the compiled pre-attention's and store_kv's; set
+        # before the first decode window (a captured graph keeps the path it was captured with). Off
+        # until measured on a GPU (bench/profile_decode.py --fuse-prologue)
+        self.fuse_prologue = False
         self.pool = None
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.on_gpu else 1
         self.stable: tuple | None = None      # (keys, values) StableBuffers, reserved on first use
@@ -235,7 +240,8 @@ class ModelRunner:
         ctx = DecodeContext(self.cache, page, x.positions % self.page_size, x.block_tables,
                             (x.positions + 1).to(torch.int32), splits, self.on_gpu,
                             x.groups if cascade else None, self.group_splits(rows))
-        logits = self.forward.logits(self.forward.hidden(x.input_ids, x.positions, ctx.attend))
+        fused = ctx.attend_qkv if self.on_gpu and self.fuse_prologue else None
+        logits = self.forward.logits(self.forward.hidden(x.input_ids, x.positions, ctx.attend, fused))
         tok, lp = self.sample(logits, x.sampling(x.positions + 1), truncate)
         x.out_tokens.copy_(tok)
         x.out_log_probs.copy_(lp)
