@@ -69,7 +69,9 @@ def test_prologue_matches_pre_attention_then_store(dtype, fp8, norm):
         assert q.shape == q_ref.shape and q.dtype == q_ref.dtype
         # one rounding of the model dtype (the kernel's rsqrt and sums differ from torch's in the last bits)
         assert ((q.float() - q_ref.float()).abs() <= 2 * ulp * q_ref.float().abs() + 1e-6).float().mean() > 0.999
-        assert torch.allclose(q.float(), q_ref.float(), rtol=4 * ulp, atol=4 * ulp)
+        # absolutely: RoPE's difference of products cancels, so an element's error is relative to its row's
+        # magnitude (fp32 on an H100 failed 4 ulp relative to the element)
+        assert ((q.float() - q_ref.float()).abs() <= 8 * ulp * q_ref.float().abs().amax(-1, keepdim=True)).all()
         kr, vr = ref[0][pg, :, off], ref[1][pg, :, off]                  # [rows, Hkv, D]
         kg, vg = got[0][pg, :, off], got[1][pg, :, off]
         if fp8:
