@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device runs behind BENCHMARKS.md "Bigger models, fp8 KV": each step writes JSON/logs into $OUT.
 #   bash bench/bigger_models.sh PART...   PART: gpu-tests | decode-fp8 | seed-fp8 | 4b | 4b-optoff | 4b-lora |
-#                                               8b-offload | 8b-optoff | 8b-lora | long-fp8 | long-bf16 | long-fp8-only | 1p7b | 4b-ref | lora-apply
+#                                               8b-offload | 8b-optoff | 8b-optoff-reshard | 8b-lora | long-fp8 | long-bf16 | long-fp8-only | 1p7b | 4b-ref | lora-apply
 # Every run is bounded by `timeout` so that $OUT always comes back within the device call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,6 +38,10 @@ for part in "$@"; do
                    --optimizer-cpu-offload ;;
     8b-optoff) FURLONG_BENCH_GUARD_S=360 bench qwen3_8b_optoff 400 --workload bench/qwen3_8b_workload.json --parts train \
                    --optimizer-cpu-offload ;;
+    # an 80 GB card: 8B's fp32 weights and gradients (61 GiB) and its gathered bf16 copy (15 GiB) left no room
+    # for a 4096-token probe (H100, 2026-12-07); resharding after forward frees the gathered copy
+    8b-optoff-reshard) FURLONG_BENCH_GUARD_S=360 bench qwen3_8b_optoff_reshard 400 --workload bench/qwen3_8b_workload.json \
+                   --parts train --optimizer-cpu-offload --fsdp-reshard-after-forward ;;
     8b-offload) FURLONG_BENCH_GUARD_S=280 bench qwen3_8b_offload 310 --workload bench/qwen3_8b_workload.json --parts train --fsdp-cpu-offload ;;
     8b-lora) FURLONG_BENCH_GUARD_S=200 bench qwen3_8b_lora 300 --workload bench/qwen3_8b_workload.json --parts train,rollout --lora-rank 64 \
                  --lora-alpha 128 ;;

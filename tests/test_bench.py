@@ -245,3 +245,22 @@ def test_rollout_part_times_cascade_on_and_off_when_rows_share_prompts(tmp_path,
     assert bench.run_bench(str(write(tmp_path, tiny_workload())), str(out), "rollout") == 0
     ro = json.loads(out.read_text())["parts"]["rollout"]["result"]
     assert 0 < ro["cascade_row_fraction"] <= 1 and ro["no_cascade_seconds"] > 0
+
+
+def test_bench_reshard_flag_reaches_the_actor(tmp_path, monkeypatch):
+    """`furlong bench --fsdp-reshard-after-forward` (what lets Qwen3-8B full-parameter fit beside its fp32
+    state on an 80 GB card): the actor's config carries it and the train row reports it."""
+    from furlong import cli
+    from furlong.trainer import actor as actor_mod
+    seen = []
+    real = actor_mod.Actor.__init__
+
+    def spy(self, model, cfg, ctx, *a, **k):
+        seen.append(cfg.shard.reshard_after_forward)
+        real(self, model, cfg, ctx, *a, **k)
+    monkeypatch.setattr(actor_mod.Actor, "__init__", spy)
+    out = tmp_path / "b.json"
+    assert cli.main(["bench", "--workload", str(write(tmp_path, tiny_workload())), "--output", str(out),
+                     "--parts", "train", "--fsdp-reshard-after-forward"]) == 0
+    assert seen == [True]
+    assert json.loads(out.read_text())["parts"]["train"]["result"]["reshard_after_forward"] is True

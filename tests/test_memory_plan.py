@@ -128,3 +128,54 @@ def test_out_of_memory_in_a_step_is_one_line_and_keeps_the_checkpoint(tmp_path, 
     assert "out of memory in the rollout stage of rollout 2" in line and "--max-tokens-per-gpu" in line
     assert "Traceback" not in err
     assert sorted(p.name for p in save.iterdir()) == before
+
+
+def _oom(recompute: bool, held_gib: float) -> ModeProbe:
+    return ModeProbe(recompute, (4096, 8192), (int(held_gib * GiB),) * 2, (0.0, 0.0), out_of_memory=True)
+
+
+def test_a_mode_whose_probe_ran_out_of_memory_is_left_out():
+    """Qwen3-8B full-parameter with --optimizer-cpu-offload on an 80 GB card: the 4096-token probe without
+    recompute ran out of memory (H100, 2026-12-07); the recompute mode's probes decide the plan alone."""
+    p = probes()
+    p[False] = _oom(False, 76.3)
+    plan = plan_memory(p, BUDGET, 32768, False, min_tokens=1200)
+    assert plan.gradient_checkpointing and plan.max_tokens_per_gpu == 32768
+    auto = plan_memory(p, BUDGET, None, False, min_tokens=1200)
+    assert auto.gradient_checkpointing
+
+
+def test_every_mode_out_of_memory_is_one_line_naming_the_flags():
+    with pytest.raises(MemoryPlanError) as e:
+        plan_memory({False: _oom(False, 76.3), True: _oom(True, 76.3)}, BUDGET, 32768, False, min_tokens=1200)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("--max-tokens-per-gpu: a 4096-token probe micro-batch ran out of memory")
+    assert "76.3 GiB" in msg and "--fsdp-reshard-after-forward" in msg and "--lora-rank" in msg
+    with pytest.raises(MemoryPlanError, match="with recompute, beside"):   # recompute asked for: only its mode
+        plan_memory({True: _oom(True, 70.0)}, BUDGET, 32768, True, min_tokens=1200)
+
+
+def test_probe_modes_records_an_out_of_memory_probe_and_cleans_up(monkeypatch):
+    """The probe's OutOfMemoryError (CUDA) becomes an out_of_memory ModeProbe; the gradients the failed
+    micro-batch left are dropped and the recompute flag is put back (CUDA calls stubbed on the CPU)."""
+    import types
+    import torch
+    from furlong.trainer import memory_probe as mp
+    calls = []
+    model = types.SimpleNamespace(gradient_checkpointing=False)
+    actor = types.SimpleNamespace(model=model, keep_logits_bytes=5, ctx=types.SimpleNamespace(device="cuda:0"),
+                                  optimizer=types.SimpleNamespace(zero_grad=lambda set_to_none: calls.append("zero")))
+
+    def timed(a, n):
+        if not a.model.gradient_checkpointing:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return 10 * n, n * 1e-5
+    monkeypatch.setattr(mp, "_timed_probe", timed)
+    monkeypatch.setattr(mp, "reshard_all", lambda m: calls.append("reshard"))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 7 * GiB)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
+    out = mp.probe_modes(actor)
+    assert out[False].out_of_memory and out[False].peak_bytes == (7 * GiB, 7 * GiB)
+    assert not out[True].out_of_memory and out[True].peak_bytes == (10 * mp.PROBE_TOKENS, 20 * mp.PROBE_TOKENS)
+    assert calls == ["zero", "reshard", "empty"]
+    assert model.gradient_checkpointing is False and actor.keep_logits_bytes == 5

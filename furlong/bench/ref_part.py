@@ -39,10 +39,8 @@ class RefResult:
 def _one(b: Bench, placement: str) -> RefPlacementRow:
     from furlong.config_map import actor_config, batching_config
     from furlong.trainer.actor import Actor
-    cfg = b.config()
+    cfg = b.trainer_placement(b.config())
     cfg.algo.use_kl_loss, cfg.ref.ref_placement = True, placement
-    cfg.parallel.fsdp_cpu_offload = b.cpu_offload
-    cfg.parallel.optimizer_cpu_offload = b.optimizer_offload
     actor = Actor(b.random_model(), actor_config(cfg), b.ctx)
     dev = b.device
     free_memory(dev)

@@ -36,12 +36,14 @@ class Bench:
     """Shared state of one bench run: device, seeded models (built lazily), results."""
 
     def __init__(self, workload: Workload, seed: int = 0, kv_dtype: str = "auto", cpu_offload: bool = False,
-                 lora_rank: int = 0, lora_alpha: float = 16.0, optimizer_offload: bool = False):
+                 lora_rank: int = 0, lora_alpha: float = 16.0, optimizer_offload: bool = False,
+                 reshard_after_forward: bool = False):
         from furlong.launch.distributed import init_distributed
         self.w, self.seed = workload, seed
         self.kv_dtype = kv_dtype          # the engine's KV cache: auto (the model's dtype) | bf16 | fp8_e4m3
         self.cpu_offload = cpu_offload    # --fsdp-cpu-offload for the actor
         self.optimizer_offload = optimizer_offload   # --optimizer-cpu-offload for the actor
+        self.reshard_after_forward = reshard_after_forward   # --fsdp-reshard-after-forward for the actor
         self.lora_rank, self.lora_alpha = lora_rank, lora_alpha   # --lora-rank/--lora-alpha (0: full-parameter)
         self.plan: MemoryPlan | None = None   # the actor's memory plan (CUDA), as run set-up makes it
         self.owns_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
@@ -82,13 +84,18 @@ class Bench:
         cfg.batch = dataclasses.replace(b, **batch_overrides)
         return cfg
 
+    def trainer_placement(self, cfg: Config) -> Config:
+        """cfg with the bench's trainer placement flags (offloads, resharding) set, as every actor it builds."""
+        cfg.parallel.fsdp_cpu_offload = self.cpu_offload
+        cfg.parallel.optimizer_cpu_offload = self.optimizer_offload
+        cfg.parallel.fsdp_reshard_after_forward = self.reshard_after_forward
+        return cfg
+
     def actor(self):
         if self._actor is None:
             from furlong.config_map import actor_config
             from furlong.trainer.actor import Actor
-            cfg = self.config()
-            cfg.parallel.fsdp_cpu_offload = self.cpu_offload
-            cfg.parallel.optimizer_cpu_offload = self.optimizer_offload
+            cfg = self.trainer_placement(self.config())
             cfg.lora.lora_rank, cfg.lora.lora_alpha = self.lora_rank, self.lora_alpha
             if self.cpu_offload or self.optimizer_offload:   # as run set-up: one line, not the OOM killer's SIGKILL
                 from furlong.run.host_memory import check_offload_host_memory

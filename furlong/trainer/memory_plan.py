@@ -53,8 +53,9 @@ class ModeProbe:
     """Two probe micro-batches in one recompute mode."""
     recompute: bool
     num_tokens: tuple[int, int]     # tokens of the small and the large probe
-    peak_bytes: tuple[int, int]     # max_memory_allocated while each ran
+    peak_bytes: tuple[int, int]     # max_memory_allocated while each ran (out of memory: allocated before it)
     seconds: tuple[float, float]    # forward + backward time of each (after a warm-up run)
+    out_of_memory: bool = False     # a probe of this mode ran out of memory: no budget fits in it
 
     def per_token_bytes(self) -> float:
         (n0, n1), (p0, p1) = self.num_tokens, self.peak_bytes
@@ -113,16 +114,25 @@ def plan_memory(probes: dict[bool, ModeProbe], budget: MemoryBudget, requested_t
         return p.seconds_per_token(tokens), plan
 
     def fits(recompute: bool, tokens: int) -> bool:
-        return tokens >= min_tokens and probes[recompute].peak(tokens, budget.pending_bytes) <= budget.usable_bytes
+        p = probes[recompute]
+        return tokens >= min_tokens and not p.out_of_memory and p.peak(tokens, budget.pending_bytes) <= budget.usable_bytes
 
     modes = [True] if requested_recompute else [False, True]
+    if all(probes[m].out_of_memory for m in modes):
+        held = probes[modes[-1]].peak_bytes[0]
+        raise MemoryPlanError(
+            f"--max-tokens-per-gpu: a {probes[modes[-1]].num_tokens[0]}-token probe micro-batch ran out of memory "
+            f"{'with' if modes == [True] else 'with and without'} recompute, beside {_gib(held)} of weights, "
+            f"gradients and optimizer state already held (of {_gib(budget.total_bytes)}); add "
+            "--fsdp-reshard-after-forward (frees the gathered compute-dtype weights), --lora-rank or "
+            "--fsdp-cpu-offload, or use more GPUs")
     if requested_tokens is not None and fits(requested_recompute, requested_tokens):
         return candidate(requested_recompute, requested_tokens)[1]
     options = []
     for recompute in modes:
         if requested_tokens is not None and fits(recompute, requested_tokens):
             options.append(candidate(recompute, requested_tokens))
-        best = largest_fit(probes[recompute], budget, granule)
+        best = 0 if probes[recompute].out_of_memory else largest_fit(probes[recompute], budget, granule)
         if requested_tokens is not None:
             best = min(best, requested_tokens)
         if fits(recompute, best):

@@ -143,8 +143,18 @@ def probe_modes(actor: Actor, modes: tuple[bool, ...] = (False, True)) -> dict[b
     try:
         for recompute in modes:
             actor.model.gradient_checkpointing = recompute
-            (p0, t0), (p1, t1) = (_timed_probe(actor, n) for n in (PROBE_TOKENS, 2 * PROBE_TOKENS))
-            out[recompute] = ModeProbe(recompute, (PROBE_TOKENS, 2 * PROBE_TOKENS), (p0, p1), (t0, t1))
+            held = torch.cuda.memory_allocated(actor.ctx.device)
+            try:
+                (p0, t0), (p1, t1) = (_timed_probe(actor, n) for n in (PROBE_TOKENS, 2 * PROBE_TOKENS))
+                out[recompute] = ModeProbe(recompute, (PROBE_TOKENS, 2 * PROBE_TOKENS), (p0, p1), (t0, t1))
+            except torch.OutOfMemoryError:
+                # the mode does not fit at the probe's size: the plan leaves it out (and says which flags
+                # would help when no mode fits) instead of the run dying on a traceback in set-up
+                actor.optimizer.zero_grad(set_to_none=True)
+                reshard_all(actor.model)
+                torch.cuda.empty_cache()
+                out[recompute] = ModeProbe(recompute, (PROBE_TOKENS, 2 * PROBE_TOKENS), (held, held), (0.0, 0.0),
+                                           out_of_memory=True)
     finally:
         actor.model.gradient_checkpointing = was
         actor.keep_logits_bytes = keep
@@ -175,7 +185,7 @@ def plan_trainer_memory(actor: Actor, requested_tokens: int | None, requested_re
         # probing) are not needed
         probes = probe_modes(actor, (requested_recompute,))
         mine = probes[requested_recompute]
-        if not (requested_tokens is not None and requested_tokens >= min_tokens
+        if not (requested_tokens is not None and requested_tokens >= min_tokens and not mine.out_of_memory
                 and mine.peak(requested_tokens, budget.pending_bytes) <= budget.usable_bytes):
             probes.update(probe_modes(actor, tuple(m for m in (False, True) if m != requested_recompute)))
     plan = plan_memory(probes, budget, requested_tokens, requested_recompute, min_tokens)
