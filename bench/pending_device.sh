@@ -4,7 +4,7 @@
 # about three, fewer when starts fail):
 #   bash bench/pending_device.sh call1|call2|call3
 # call1  Qwen3-8B full-parameter with --optimizer-cpu-offload (issue 20: trains, step time): sized for an H200;
-#        on an 80 GB H100 (run out of memory in the memory probe, 2026-12-07) with --fsdp-reshard-after-forward,
+#        on an 80 GB H100 (out of memory in the memory probe there, BENCHMARKS.md) with --fsdp-reshard-after-forward,
 #        which frees the 15 GiB gathered bf16 copy beside the 61 GiB of fp32 weights and gradients; the re-run
 #        of the CPU reference's GPU test (its last GPU run failed an allocator reading, since fixed)
 # call2  the long rollout with fp8 and bf16 KV on one card (issue 21: <= 40 s; on an H200, the issue's own

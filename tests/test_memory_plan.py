@@ -136,7 +136,7 @@ def _oom(recompute: bool, held_gib: float) -> ModeProbe:
 
 def test_a_mode_whose_probe_ran_out_of_memory_is_left_out():
     """Qwen3-8B full-parameter with --optimizer-cpu-offload on an 80 GB card: the 4096-token probe without
-    recompute ran out of memory (H100, 2026-12-07); the recompute mode's probes decide the plan alone."""
+    recompute ran out of memory (on an H100); the recompute mode's probes decide the plan alone."""
     p = probes()
     p[False] = _oom(False, 76.3)
     plan = plan_memory(p, BUDGET, 32768, False, min_tokens=1200)
