@@ -141,6 +141,7 @@ def test_a_mode_whose_probe_ran_out_of_memory_is_left_out():
     p[False] = _oom(False, 76.3)
     plan = plan_memory(p, BUDGET, 32768, False, min_tokens=1200)
     assert plan.gradient_checkpointing and plan.max_tokens_per_gpu == 32768
+    assert "32768 tokens per micro-batch would run out of memory (a 4096-token probe did)" in plan.note
     auto = plan_memory(p, BUDGET, None, False, min_tokens=1200)
     assert auto.gradient_checkpointing
 

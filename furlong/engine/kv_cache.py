@@ -24,7 +24,9 @@ writes k, v into the cache and returns the attention output [N, Hq, D]:
                   fp8 cache the prompt attends over its unquantised k/v; only
                   later reads see the stored fp8). A continued conversation's
                   prefill reads its cached prefix: prefix_prefill.py.
-  DecodeContext   one token per sequence: the new k/v go to the row's slot, then the row
+  DecodeContext   one token per sequence: the new k/v go to the row's slot (on CUDA its
+                  attend_qkv takes the QKV projection instead and one kernel, store_kernels.
+                  decode_prologue, norms, ropes and stores them), then the row
                   attends over its first context_lens[b] cached tokens through
                   its block table: the Triton kernel on CUDA (kernels.py, GQA
                   without copying K/V, split over the KV length for small

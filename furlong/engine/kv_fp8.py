@@ -3,9 +3,10 @@
 EngineConfig.kv_dtype "fp8_e4m3": every k and v row ([D] values of one token and one KV head) is
 written as q = round_e4m3(x / s) with s = max|x| / 448 (e4m3's largest finite value), and read
 back as q * s inside the decode attention (kernels.py, both the row and the cascade group
-programs) and in the CPU references. Prefill and decode write through the same path (a prompt's
-own prefill attention uses its unquantised k/v; every later read sees the fp8); the Triton store
-and `quantize` agree bit for bit (IEEE division in both, rounding to nearest even).
+programs) and in the CPU references. Prefill and decode quantise alike (a prompt's own prefill
+attention uses its unquantised k/v; every later read sees the fp8): the Triton store kernels
+(store_kv, and decode_prologue in decode steps on CUDA) share one quantiser that agrees bit for bit
+with `quantize` (IEEE division in both, rounding to nearest even).
 
 Why per token and head: a decode step writes one token into a page, so a page-wide scale would
 only be known once the page is full (or need re-quantizing the page as it fills); a scale fixed

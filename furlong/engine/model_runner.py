@@ -80,9 +80,8 @@ class ModelRunner:
         self.split_rule = "programs"
         # decode steps on CUDA: qk-norm, RoPE and the KV store in one kernel per layer
         # (store_kernels.decode_prologue) instead of the compiled q and k kernels and store_kv (3 launches);
-        # set before the first decode window (a captured graph keeps the path it was captured with).
-        # Measured on an H100, B=256 x 640 fp8: 3.414 against 3.501 ms per step (bench/profile_decode.py
-        # --fuse-prologue both)
+        # set before the first decode window (a captured graph keeps the path it was captured with);
+        # off: the unfused path, for benches (store_kernels.py has the measurement)
         self.fuse_prologue = True
         self.pool = None
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.on_gpu else 1

@@ -149,13 +149,14 @@ def plan_memory(probes: dict[bool, ModeProbe], budget: MemoryBudget, requested_t
                      f"{'on' if plan.gradient_checkpointing else 'off'} (predicted peak {_gib(plan.predicted_peak_bytes)}"
                      f" of {_gib(budget.usable_bytes)} usable; the faster per token of the two modes)")
         return plan
-    asked = probes[requested_recompute].peak(requested_tokens, budget.pending_bytes)
+    mine = probes[requested_recompute]
+    need = (f"would run out of memory (a {mine.num_tokens[0]}-token probe did)" if mine.out_of_memory else
+            f"would need {_gib(mine.peak(requested_tokens, budget.pending_bytes))} of {_gib(budget.usable_bytes)} usable")
     change = []
     if plan.gradient_checkpointing != requested_recompute:
         change.append("turned --gradient-checkpointing on")
     if plan.max_tokens_per_gpu != requested_tokens:
         change.append(f"lowered --max-tokens-per-gpu to {plan.max_tokens_per_gpu}")
-    plan.note = (f"memory: {' and '.join(change)}: {requested_tokens} tokens per micro-batch would need "
-                 f"{_gib(asked)} of {_gib(budget.usable_bytes)} usable; this plan needs "
+    plan.note = (f"memory: {' and '.join(change)}: {requested_tokens} tokens per micro-batch {need}; this plan needs "
                  f"{_gib(plan.predicted_peak_bytes)} (the faster per token of the plans that fit)")
     return plan
