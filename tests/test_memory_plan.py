@@ -180,3 +180,39 @@ def test_probe_modes_records_an_out_of_memory_probe_and_cleans_up(monkeypatch):
     assert not out[True].out_of_memory and out[True].peak_bytes == (10 * mp.PROBE_TOKENS, 20 * mp.PROBE_TOKENS)
     assert calls == ["zero", "reshard", "empty"]
     assert model.gradient_checkpointing is False and actor.keep_logits_bytes == 5
+
+
+def _agree_worker(rank: int, port: int, results) -> None:
+    import torch.distributed as dist
+    from furlong.trainer.memory_plan import MemoryPlan
+    from furlong.trainer.memory_probe import agree_on_plan
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        fits = MemoryPlan(8192 if rank == 0 else 4096, rank == 1, 0, None)
+        agreed = agree_on_plan(fits)
+        results[(rank, "plan")] = (agreed.max_tokens_per_gpu, agreed.gradient_checkpointing)
+        # rank 1 finds no plan: both ranks raise, neither waits in a collective the other skips
+        mine, error = (None, MemoryPlanError("--max-tokens-per-gpu: rank 1's own line")) if rank else (fits, None)
+        try:
+            agree_on_plan(mine, error)
+            results[(rank, "error")] = None
+        except MemoryPlanError as e:
+            results[(rank, "error")] = str(e)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_agree_on_the_tightest_plan_and_all_fail_together():
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_agree_worker, args=(port, results), nprocs=2, join=True)
+        results = dict(results)
+    assert results[(0, "plan")] == results[(1, "plan")] == (4096, True)
+    assert results[(1, "error")] == "--max-tokens-per-gpu: rank 1's own line"
+    assert results[(0, "error")].startswith("--max-tokens-per-gpu: another rank found no micro-batch budget")

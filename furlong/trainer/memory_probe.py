@@ -32,8 +32,8 @@ import torch
 from furlong.trainer.batching import move_micro_batch, pack_micro_batch, response_positions, to_device
 from furlong.launch.distributed import all_reduce_max
 from furlong.trainer.fsdp import reshard_all
-from furlong.trainer.memory_plan import (GRANULE, SAFETY_FRACTION, MemoryBudget, MemoryPlan, ModeProbe,
-                                         largest_fit, plan_memory)
+from furlong.trainer.memory_plan import (GRANULE, SAFETY_FRACTION, MemoryBudget, MemoryPlan, MemoryPlanError,
+                                         ModeProbe, largest_fit, plan_memory)
 from furlong.types import TrainSample
 
 if TYPE_CHECKING:
@@ -188,8 +188,23 @@ def plan_trainer_memory(actor: Actor, requested_tokens: int | None, requested_re
         if not (requested_tokens is not None and requested_tokens >= min_tokens and not mine.out_of_memory
                 and mine.peak(requested_tokens, budget.pending_bytes) <= budget.usable_bytes):
             probes.update(probe_modes(actor, tuple(m for m in (False, True) if m != requested_recompute)))
-    plan = plan_memory(probes, budget, requested_tokens, requested_recompute, min_tokens)
-    tokens, recompute = all_reduce_max([-plan.max_tokens_per_gpu, float(plan.gradient_checkpointing)])
+    try:
+        plan, error = plan_memory(probes, budget, requested_tokens, requested_recompute, min_tokens), None
+    except MemoryPlanError as e:
+        plan, error = None, e
+    return agree_on_plan(plan, error)
+
+
+def agree_on_plan(plan: MemoryPlan | None, error: MemoryPlanError | None = None) -> MemoryPlan:
+    """This rank's plan (or its MemoryPlanError) -> the plan every rank runs (one collective): the tightest
+    budget, recompute if any rank needs it. When any rank found no plan, every rank raises (that rank its
+    own line, the others one naming it), so no rank is left waiting in a collective the others never reach."""
+    tokens, recompute, failed = all_reduce_max([-plan.max_tokens_per_gpu if plan else 0.0,
+                                                float(plan.gradient_checkpointing) if plan else 0.0,
+                                                float(plan is None)])
+    if failed:
+        raise error or MemoryPlanError("--max-tokens-per-gpu: another rank found no micro-batch budget that fits "
+                                       "(its line says why)")
     if int(-tokens) != plan.max_tokens_per_gpu or bool(recompute) != plan.gradient_checkpointing:
         plan = MemoryPlan(int(-tokens), bool(recompute), plan.predicted_peak_bytes,
                           (plan.note or "memory:") + " (agreed over ranks: the tightest rank's plan)")
