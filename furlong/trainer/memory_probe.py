@@ -185,8 +185,11 @@ def plan_trainer_memory(actor: Actor, requested_tokens: int | None, requested_re
         # probing) are not needed
         probes = probe_modes(actor, (requested_recompute,))
         mine = probes[requested_recompute]
-        if not (requested_tokens is not None and requested_tokens >= min_tokens and not mine.out_of_memory
-                and mine.peak(requested_tokens, budget.pending_bytes) <= budget.usable_bytes):
+        fits = (requested_tokens is not None and requested_tokens >= min_tokens and not mine.out_of_memory
+                and mine.peak(requested_tokens, budget.pending_bytes) <= budget.usable_bytes)
+        # agreed (one collective): the probes run FSDP's collectives, so every rank must probe the same
+        # modes, and ranks' peaks differ by a little
+        if all_reduce_max([float(not fits)])[0]:
             probes.update(probe_modes(actor, tuple(m for m in (False, True) if m != requested_recompute)))
     try:
         plan, error = plan_memory(probes, budget, requested_tokens, requested_recompute, min_tokens), None
