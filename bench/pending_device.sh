@@ -9,10 +9,10 @@
 #        of the CPU reference's GPU test (its last GPU run failed an allocator reading, since fixed)
 # call2  the long rollout with fp8 and bf16 KV on one card (issue 21: <= 40 s; on an H200, the issue's own
 #        card, these have not run since fp8's V became dim-major and its kernel 1-warp), each split into
-#        fixed, per-row and attention costs (bench/rollout_time_split.py); the decode probe with both, each
-#        with the fused decode prologue off and on (store_kernels.decode_prologue: never run on a GPU);
-#        the decode step's matmuls against their floor (bench/decode_gemm_sweep.py); the prologue's and
-#        the fp8 GPU tests (the V-zeroing test's fix has not run on a GPU either)
+#        fixed, per-row and attention costs (bench/rollout_time_split.py; the fused decode prologue is on
+#        by default since it last ran); the decode probe with both, each with the prologue off and on; the
+#        decode step's matmuls against their floor (bench/decode_gemm_sweep.py); the prologue's and the fp8
+#        GPU tests (all of these measured on an H100 only)
 # call3  the GPU demo, 100 rollouts: full-parameter bf16, --lora-rank 64 (issue 20), fp8 KV (issue 21);
 #        VARIANTS="full fp8" picks some (all three can run past one call's 600 s: split them over two calls)
 # Measured on an H100 and dropped from here: the mixed-step GPU test and multi-turn (1.20x), the long
