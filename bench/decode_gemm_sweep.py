@@ -21,15 +21,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-# (hidden, intermediate, query heads, KV heads, head_dim, vocab) of the published configs
-MODELS = {"qwen3-0.6b": (1024, 3072, 16, 8, 128, 151936), "qwen3-4b": (2560, 9728, 32, 8, 128, 151936),
-          "qwen3-8b": (4096, 12288, 32, 8, 128, 151936)}
+# (hidden, intermediate, query heads, KV heads, head_dim, vocab, layers) of the published configs
+MODELS = {"qwen3-0.6b": (1024, 3072, 16, 8, 128, 151936, 28), "qwen3-4b": (2560, 9728, 32, 8, 128, 151936, 36),
+          "qwen3-8b": (4096, 12288, 32, 8, 128, 151936, 36)}
 COPIES = 28     # distinct weights per shape, cycled, so each replay reads from HBM as a model's layers do
 
 
 def shapes(model: str) -> dict[str, tuple[int, int]]:
     """name -> (in features K, out features N) of the engine's fused projections (forward.py)."""
-    h, inter, hq, hkv, d, vocab = MODELS[model]
+    h, inter, hq, hkv, d, vocab, _ = MODELS[model]
     return {"qkv": (h, (hq + 2 * hkv) * d), "o": (hq * d, h), "gate_up": (h, 2 * inter), "down": (inter, h),
             "lm_head": (h, vocab)}
 
@@ -81,7 +81,7 @@ def main() -> None:
             print(f"{name:8s} K={k:5d} N={n:6d} B={b:4d}  {ms * 1000:8.2f} us  floor {floor_ms * 1000:7.2f} us  "
                   f"({floor_ms / ms:5.1%})  weights {rows[-1]['weight_tbs']:.2f} TB/s", flush=True)
         del weights
-    layers = {"qwen3-0.6b": 28, "qwen3-4b": 36, "qwen3-8b": 36}[a.model]
+    layers = MODELS[a.model][-1]
     for b in (int(x) for x in a.batch.split(",")):
         step = sum(r["ms"] * (1 if r["shape"] == "lm_head" else layers) for r in rows if r["batch"] == b)
         floor = sum(r["floor_ms"] * (1 if r["shape"] == "lm_head" else layers) for r in rows if r["batch"] == b)
