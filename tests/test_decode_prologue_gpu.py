@@ -1,11 +1,12 @@
 """store_kernels.decode_prologue (CUDA; or the CPU under TRITON_INTERPRET=1 with NumPy < 2.4, smaller
 shapes, fp32) against what it replaces: forward.pre_attention (eager) then store_kv.
 
-q must equal pre_attention's within one rounding of the model dtype; the cache must hold what store_kv
-stores from pre_attention's k and v (bf16 caches: the same values within a rounding; fp8 caches: the same
-bytes and scales wherever the two k rows agree, since quantisation is a function of the row), in both V
-layouts, with and without the q/k norms (Qwen3 has them, Llama and Qwen2 do not). On CUDA the engine
-with the prologue fused generates the same greedy tokens as with it off."""
+q must equal pre_attention's within a rounding or two of the model dtype; the cache must hold what
+store_kv stores from pre_attention's k and v: V bit for bit (it is not recomputed), K within a rounding
+(bf16 caches) or, fp8, within one e4m3 step of the row's largest element and equal to 8 ulp for 97% of
+the elements (k rows a rounding apart get scales a rounding apart); in both V layouts, with and without
+the q/k norms (Qwen3 has them, Llama and Qwen2 do not), and nothing outside the rows' slots written. On
+CUDA the engine with the prologue fused generates the same greedy tokens as with it off."""
 from __future__ import annotations
 
 import os
