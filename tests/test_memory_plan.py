@@ -216,3 +216,39 @@ def test_ranks_agree_on_the_tightest_plan_and_all_fail_together():
     assert results[(0, "plan")] == results[(1, "plan")] == (4096, True)
     assert results[(1, "error")] == "--max-tokens-per-gpu: rank 1's own line"
     assert results[(0, "error")].startswith("--max-tokens-per-gpu: another rank found no micro-batch budget")
+
+
+def test_after_a_probe_runs_out_of_memory_the_actor_still_trains(tmp_path, monkeypatch):
+    """A real (CPU, FSDP2) actor whose no-recompute probe raises OutOfMemoryError inside a decoder layer's
+    forward: the recompute mode's probes then run forward and backward through the same FSDP modules, and
+    no gradient is left behind (CUDA memory calls stubbed; PROBE_TOKENS cut to keep it small)."""
+    import sys
+    from pathlib import Path
+    import torch
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_actor import tiny_config  # noqa: E402
+    from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
+    from furlong.config_map import actor_config
+    from furlong.launch.distributed import init_distributed
+    from furlong.models.hf_io import load_pretrained
+    from furlong.trainer import memory_probe as mp
+    from furlong.trainer.actor import Actor
+    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 3 * GiB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 2 * GiB)
+    monkeypatch.setattr(mp, "PROBE_TOKENS", 64)
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", vocab_size=128, hidden=32, layers=2, heads=2, kv_heads=1)
+    actor = Actor(load_pretrained(ckpt), actor_config(tiny_config(use_dynamic_batch_size=True)), init_distributed("cpu"))
+    layer = actor.model.layers[1]
+    ran = []
+
+    def hook(module, args):
+        ran.append(actor.model.gradient_checkpointing)
+        if not actor.model.gradient_checkpointing:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+    layer.register_forward_pre_hook(hook)
+    out = mp.probe_modes(actor)
+    assert out[False].out_of_memory and not out[True].out_of_memory
+    assert out[True].peak_bytes == (3 * GiB, 3 * GiB) and ran[0] is False and True in ran
+    assert all(p.grad is None for p in actor.model.parameters())
