@@ -156,10 +156,10 @@ def decode_prologue(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torc
     num, width = qkv.shape
     _, num_kv, _, dim = keys.shape
     num_heads = width // dim - 2 * num_kv
-    if qkv.stride(1) != 1 or cos.stride(1) != 1 or sin.stride() != cos.stride() or dim & (dim - 1) or \
-            num_heads % num_kv or (q_norm is None) != (k_norm is None):
-        raise ValueError("decode_prologue: qkv and cos/sin rows contiguous, head_dim a power of 2, whole GQA "
-                         "groups, q and k norms both given or neither")
+    if qkv.stride(1) != 1 or cos.stride(1) != 1 or sin.stride() != cos.stride() or cos.shape != (num, dim) or \
+            dim & (dim - 1) or num_heads % num_kv or (q_norm is None) != (k_norm is None):
+        raise ValueError("decode_prologue: qkv and cos/sin [N, head_dim] rows contiguous, head_dim a power of 2, "
+                         "whole GQA groups, q and k norms both given or neither")
     value_layout(keys, values)
     fp8 = key_scales is not None
     q = torch.empty(num, num_heads, dim, dtype=qkv.dtype, device=qkv.device)
