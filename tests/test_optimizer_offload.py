@@ -247,16 +247,3 @@ def test_reset_optimizer_states_zeroes_the_cpu_moments(tiny_ckpt):
     assert not actor.optimizer.host["exp_avg"].any() and not actor.optimizer.host["exp_avg_sq"].any()
     assert all(st["step"].item() == 0 for st in actor.optimizer.state.values())
 
-
-def test_megatrons_overlap_flag_is_accepted_and_noted_without_the_offload():
-    """Megatron recipes pair --optimizer-cpu-offload with --overlap-cpu-optimizer-d2h-h2d: accepted (the offloaded
-    optimizer always overlaps its copies); alone it is noted at start-up as having no effect."""
-    from furlong.config import Config
-    from furlong.config_debug_flags import start_up_notes
-    from furlong.miles_flags import answer, furlong_flags
-    assert answer("--overlap-cpu-optimizer-d2h-h2d", furlong_flags())[0] == "accepted"
-    cfg = Config()
-    cfg.parallel.overlap_cpu_optimizer_d2h_h2d = True
-    assert "--overlap-cpu-optimizer-d2h-h2d: no effect without --optimizer-cpu-offload" in start_up_notes(cfg)
-    cfg.parallel.optimizer_cpu_offload = True
-    assert not any("overlap" in n for n in start_up_notes(cfg))

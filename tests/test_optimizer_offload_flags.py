@@ -1,6 +1,6 @@
 """--optimizer-cpu-offload's flags and host-memory check: the conflict with --fsdp-cpu-offload, the bytes
-the moments need on the host, and a CLI run that trains or stops with one line (trainer/optimizer_offload.py,
-run/host_memory.py)."""
+the moments need on the host, a CLI run that trains or stops with one line (trainer/optimizer_offload.py,
+run/host_memory.py), and Megatron's --overlap-cpu-optimizer-d2h-h2d beside it."""
 from __future__ import annotations
 
 import json
@@ -71,3 +71,17 @@ def test_cli_run_trains_or_stops_with_one_line(tmp_path, capsys, monkeypatch):
     assert code == 0, err
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert any(x.get("perf/optimizer_step_time", 0) > 0 for x in lines)
+
+
+def test_megatrons_overlap_flag_is_accepted_and_noted_without_the_offload():
+    """Megatron recipes pair --optimizer-cpu-offload with --overlap-cpu-optimizer-d2h-h2d: accepted (the offloaded
+    optimizer always overlaps its copies); alone it is noted at start-up as having no effect."""
+    from furlong.config import Config
+    from furlong.config_debug_flags import start_up_notes
+    from furlong.miles_flags import answer, furlong_flags
+    assert answer("--overlap-cpu-optimizer-d2h-h2d", furlong_flags())[0] == "accepted"
+    cfg = Config()
+    cfg.parallel.overlap_cpu_optimizer_d2h_h2d = True
+    assert "--overlap-cpu-optimizer-d2h-h2d: no effect without --optimizer-cpu-offload" in start_up_notes(cfg)
+    cfg.parallel.optimizer_cpu_offload = True
+    assert not any("overlap" in n for n in start_up_notes(cfg))
