@@ -246,4 +246,3 @@ def test_reset_optimizer_states_zeroes_the_cpu_moments(tiny_ckpt):
     actor.reset_optimizer_state()
     assert not actor.optimizer.host["exp_avg"].any() and not actor.optimizer.host["exp_avg_sq"].any()
     assert all(st["step"].item() == 0 for st in actor.optimizer.state.values())
-
