@@ -67,7 +67,8 @@ def test_auto_picks_the_faster_mode():
 
 def test_longest_sample_bounds_the_budget_and_nothing_fitting_names_flags():
     tiny = MemoryBudget(total_bytes=80 * GiB, reserved_bytes=8 * GiB, pending_bytes=0)
-    with pytest.raises(MemoryPlanError, match=r"^--max-tokens-per-gpu: .*--fsdp-cpu-offload.*--lora-rank"):
+    with pytest.raises(MemoryPlanError, match=r"^--max-tokens-per-gpu: .*--fsdp-reshard-after-forward.*--lora-rank.*"
+                                              r"--fsdp-cpu-offload.*--rollout-max-response-len$"):
         plan_memory(probes(fixed_gib=70), tiny, 32768, False, min_tokens=4096)
     # fits only below the longest sample: refused too, never a budget a sample cannot fit in
     with pytest.raises(MemoryPlanError):
@@ -154,6 +155,12 @@ def test_every_mode_out_of_memory_is_one_line_naming_the_flags():
     assert "76.3 GiB" in msg and "--fsdp-reshard-after-forward" in msg and "--lora-rank" in msg
     with pytest.raises(MemoryPlanError, match="with recompute, beside"):   # recompute asked for: only its mode
         plan_memory({True: _oom(True, 70.0)}, BUDGET, 32768, True, min_tokens=1200)
+    # a flag the run already uses is not suggested again
+    with pytest.raises(MemoryPlanError) as e:
+        plan_memory({True: _oom(True, 70.0)}, BUDGET, 32768, True, min_tokens=1200, flags_off=("--lora-rank",))
+    assert str(e.value).endswith("; add --lora-rank, or use more GPUs") and "reshard" not in str(e.value)
+    with pytest.raises(MemoryPlanError, match=r"; use more GPUs$"):
+        plan_memory({True: _oom(True, 70.0)}, BUDGET, 32768, True, min_tokens=1200, flags_off=())
 
 
 def test_probe_modes_records_an_out_of_memory_probe_and_cleans_up(monkeypatch):

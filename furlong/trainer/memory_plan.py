@@ -91,6 +91,16 @@ class MemoryBudget:
         return self.total_bytes * (1.0 - self.safety_fraction) - self.reserved_bytes
 
 
+def _remedies(flags_off: tuple[str, ...]) -> str:
+    """'add A, B or C, or use more GPUs' over the memory flags a run does not use yet."""
+    named = [f + (" (frees the gathered compute-dtype weights)" if f == "--fsdp-reshard-after-forward" else "")
+             for f in flags_off]
+    if not named:
+        return "use more GPUs"
+    listed = named[0] if len(named) == 1 else ", ".join(named[:-1]) + " or " + named[-1]
+    return f"add {listed}, or use more GPUs"
+
+
 def _gib(x: float) -> str:
     return f"{x / 2**30:.1f} GiB"
 
@@ -101,12 +111,17 @@ def largest_fit(probe: ModeProbe, budget: MemoryBudget, granule: int = GRANULE) 
     return max(int(room // probe.per_token_bytes()) // granule * granule, 0)
 
 
+MEMORY_FLAGS = ("--fsdp-reshard-after-forward", "--lora-rank", "--fsdp-cpu-offload")   # what frees trainer memory
+
+
 def plan_memory(probes: dict[bool, ModeProbe], budget: MemoryBudget, requested_tokens: int | None,
-                requested_recompute: bool, min_tokens: int, granule: int = GRANULE) -> MemoryPlan:
+                requested_recompute: bool, min_tokens: int, granule: int = GRANULE,
+                flags_off: tuple[str, ...] = MEMORY_FLAGS) -> MemoryPlan:
     """The plan for --max-tokens-per-gpu `requested_tokens` (None: auto) and --gradient-checkpointing.
 
     probes: {False: no recompute, True: recompute}; min_tokens: the longest sample a micro-batch
-    must hold (prompt + response), so no budget below it is ever chosen.
+    must hold (prompt + response), so no budget below it is ever chosen; flags_off: the MEMORY_FLAGS the
+    run does not use yet (an error names those).
     """
     def candidate(recompute: bool, tokens: int) -> tuple[float, MemoryPlan]:
         p = probes[recompute]
@@ -123,9 +138,7 @@ def plan_memory(probes: dict[bool, ModeProbe], budget: MemoryBudget, requested_t
         raise MemoryPlanError(
             f"--max-tokens-per-gpu: a {probes[modes[-1]].num_tokens[0]}-token probe micro-batch ran out of memory "
             f"{'with' if modes == [True] else 'with and without'} recompute, beside {_gib(held)} of weights, "
-            f"gradients and optimizer state already held (of {_gib(budget.total_bytes)}); add "
-            "--fsdp-reshard-after-forward (frees the gathered compute-dtype weights), --lora-rank or "
-            "--fsdp-cpu-offload, or use more GPUs")
+            f"gradients and optimizer state already held (of {_gib(budget.total_bytes)}); {_remedies(flags_off)}")
     if requested_tokens is not None and fits(requested_recompute, requested_tokens):
         return candidate(requested_recompute, requested_tokens)[1]
     options = []
@@ -141,8 +154,8 @@ def plan_memory(probes: dict[bool, ModeProbe], budget: MemoryBudget, requested_t
         need = probes[modes[-1]].peak(max(min_tokens, granule), budget.pending_bytes)
         raise MemoryPlanError(
             f"--max-tokens-per-gpu: even a {max(min_tokens, granule)}-token micro-batch (the longest sample) with "
-            f"recompute needs {_gib(need)} of {_gib(budget.usable_bytes)} usable; use --fsdp-cpu-offload or "
-            "--lora-rank, more GPUs, or a smaller --rollout-max-response-len")
+            f"recompute needs {_gib(need)} of {_gib(budget.usable_bytes)} usable; {_remedies(flags_off)}, or a "
+            "smaller --rollout-max-response-len")
     _, plan = min(options, key=lambda o: o[0])
     if requested_tokens is None:
         plan.note = (f"--max-tokens-per-gpu auto: {plan.max_tokens_per_gpu} tokens, recompute "

@@ -32,8 +32,8 @@ import torch
 from furlong.trainer.batching import move_micro_batch, pack_micro_batch, response_positions, to_device
 from furlong.launch.distributed import all_reduce_max
 from furlong.trainer.fsdp import reshard_all
-from furlong.trainer.memory_plan import (GRANULE, SAFETY_FRACTION, MemoryBudget, MemoryPlan, MemoryPlanError,
-                                         ModeProbe, largest_fit, plan_memory)
+from furlong.trainer.memory_plan import (GRANULE, MEMORY_FLAGS, SAFETY_FRACTION, MemoryBudget, MemoryPlan,
+                                         MemoryPlanError, ModeProbe, largest_fit, plan_memory)
 from furlong.types import TrainSample
 
 if TYPE_CHECKING:
@@ -192,7 +192,12 @@ def plan_trainer_memory(actor: Actor, requested_tokens: int | None, requested_re
         if all_reduce_max([float(not fits)])[0]:
             probes.update(probe_modes(actor, tuple(m for m in (False, True) if m != requested_recompute)))
     try:
-        plan, error = plan_memory(probes, budget, requested_tokens, requested_recompute, min_tokens), None
+        shard, lora = actor.cfg.shard, actor.cfg.lora
+        used = {"--fsdp-reshard-after-forward": shard.reshard_after_forward, "--lora-rank": lora is not None,
+                "--fsdp-cpu-offload": shard.cpu_offload}
+        plan = plan_memory(probes, budget, requested_tokens, requested_recompute, min_tokens,
+                           flags_off=tuple(f for f in MEMORY_FLAGS if not used[f]))
+        error = None
     except MemoryPlanError as e:
         plan, error = None, e
     return agree_on_plan(plan, error)
