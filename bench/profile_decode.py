@@ -128,7 +128,8 @@ def profile(model: Transformer, cfg: EngineConfig, prompts: list[list[int]], a: 
         calls[e.key] += e.count / 4
     total = sum(per_kind.values())
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15]
-    res = {"kv_dtype": cfg.kv_dtype, "fuse_prologue": fuse_prologue, "kv_bytes_per_token": eng.runner.page_bytes() / cfg.page_size,
+    res = {"kv_dtype": cfg.kv_dtype, "fuse_prologue": fuse_prologue,
+           "kv_bytes_per_token": eng.runner.page_bytes() / cfg.page_size,
            "batch": a.batch, "context": a.context, "prompt": prompt_len, "group": a.group,
            "grouped_rows": sum(1 for p in plan_groups(seqs, runner.members).prefix_lens if p > 0),
            "graphed_step_ms": sorted(graphed[runner.cascade])[1], "graphed_step_ms_cascade": graphed[True],

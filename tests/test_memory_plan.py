@@ -155,6 +155,12 @@ def test_every_mode_out_of_memory_is_one_line_naming_the_flags():
     assert "76.3 GiB" in msg and "--fsdp-reshard-after-forward" in msg and "--lora-rank" in msg
     with pytest.raises(MemoryPlanError, match="with recompute, beside"):   # recompute asked for: only its mode
         plan_memory({True: _oom(True, 70.0)}, BUDGET, 32768, True, min_tokens=1200)
+    # recompute's probe ran out and no budget fits without it: the figure is the measured mode's
+    tight = MemoryBudget(total_bytes=80 * GiB, reserved_bytes=8 * GiB, pending_bytes=0)
+    with pytest.raises(MemoryPlanError, match=r"without recompute needs 81\.\d GiB of 60\.0 GiB usable \(with "
+                                              r"recompute its probe ran out of memory\)"):
+        plan_memory({False: probes(fixed_gib=70)[False], True: _oom(True, 70.0)}, tight, 32768, False,
+                    min_tokens=4096)
     # a flag the run already uses is not suggested again
     with pytest.raises(MemoryPlanError) as e:
         plan_memory({True: _oom(True, 70.0)}, BUDGET, 32768, True, min_tokens=1200, flags_off=("--lora-rank",))

@@ -48,6 +48,7 @@ class DemoScale(RecipeScale):
     sft_direct_fraction: float = 0.0  # SFT solutions that skip the worked steps (tasks/synthetic.py)
     sft_early_stop_fraction: float = 0.0  # multi-step SFT solutions that stop after step one (tasks/synthetic.py)
 
+
 PRESETS = {
     "cpu": DemoScale(),
     # Plumbing only (tests): too little SFT to score, so no filter (it would find no mixed groups).

@@ -61,6 +61,7 @@ class ToolDemoScale(RecipeScale):
     sft_tool_fraction: float = 0.3    # SFT solutions that call the calculator (the rest: in the head)
     max_context_len: int = 256        # prompt + all turns + tool tokens
 
+
 PRESETS = {
     "cpu": ToolDemoScale(),
     "quick": ToolDemoScale(num_train=300, num_test=16, hidden=64, num_layers=2, sft_epochs=1, num_rollout=2,

@@ -130,7 +130,8 @@ def plan_memory(probes: dict[bool, ModeProbe], budget: MemoryBudget, requested_t
 
     def fits(recompute: bool, tokens: int) -> bool:
         p = probes[recompute]
-        return tokens >= min_tokens and not p.out_of_memory and p.peak(tokens, budget.pending_bytes) <= budget.usable_bytes
+        return (tokens >= min_tokens and not p.out_of_memory
+                and p.peak(tokens, budget.pending_bytes) <= budget.usable_bytes)
 
     modes = [True] if requested_recompute else [False, True]
     if all(probes[m].out_of_memory for m in modes):
@@ -151,11 +152,14 @@ def plan_memory(probes: dict[bool, ModeProbe], budget: MemoryBudget, requested_t
         if fits(recompute, best):
             options.append(candidate(recompute, best))
     if not options:
-        need = probes[modes[-1]].peak(max(min_tokens, granule), budget.pending_bytes)
+        # the figure from the mode that needs least and was measured (recompute, unless its probe ran out)
+        mode = next(m for m in reversed(modes) if not probes[m].out_of_memory)
+        need = probes[mode].peak(max(min_tokens, granule), budget.pending_bytes)
         raise MemoryPlanError(
-            f"--max-tokens-per-gpu: even a {max(min_tokens, granule)}-token micro-batch (the longest sample) with "
-            f"recompute needs {_gib(need)} of {_gib(budget.usable_bytes)} usable; {_remedies(flags_off)}, or a "
-            "smaller --rollout-max-response-len")
+            f"--max-tokens-per-gpu: even a {max(min_tokens, granule)}-token micro-batch (the longest sample) "
+            f"{'with' if mode else 'without'} recompute needs {_gib(need)} of {_gib(budget.usable_bytes)} usable"
+            f"{'' if mode == modes[-1] else ' (with recompute its probe ran out of memory)'}; "
+            f"{_remedies(flags_off)}, or a smaller --rollout-max-response-len")
     _, plan = min(options, key=lambda o: o[0])
     if requested_tokens is None:
         plan.note = (f"--max-tokens-per-gpu auto: {plan.max_tokens_per_gpu} tokens, recompute "
@@ -164,7 +168,8 @@ def plan_memory(probes: dict[bool, ModeProbe], budget: MemoryBudget, requested_t
         return plan
     mine = probes[requested_recompute]
     need = (f"would run out of memory (a {mine.num_tokens[0]}-token probe did)" if mine.out_of_memory else
-            f"would need {_gib(mine.peak(requested_tokens, budget.pending_bytes))} of {_gib(budget.usable_bytes)} usable")
+            f"would need {_gib(mine.peak(requested_tokens, budget.pending_bytes))} of "
+            f"{_gib(budget.usable_bytes)} usable")
     change = []
     if plan.gradient_checkpointing != requested_recompute:
         change.append("turned --gradient-checkpointing on")
