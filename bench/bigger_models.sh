@@ -21,8 +21,8 @@ for part in "$@"; do
                    tests/test_kv_fp8_gpu.py tests/test_engine_gpu.py tests/test_actor.py tests/test_offload_gpu.py >"$OUT/gpu_tests.log" 2>&1
                echo "== gpu-tests: exit $?"; grep -E "passed|failed|gap|FAILED" "$OUT/gpu_tests.log" | tail -8 ;;
     decode-fp8) timeout -k 10 150 python3 bench/profile_decode.py --batch 256 --context 640 --kv-dtype bf16,fp8_e4m3 \
-                   --fuse-prologue both --out "$OUT" >"$OUT/profile_decode.log" 2>&1; echo "== decode-fp8: exit $?"
-                python3 -c "import json; d=json.load(open('$OUT/profile_decode.json')); [print(r['kv_dtype'], 'fused prologue' if r.get('fuse_prologue') else '', round(r['graphed_step_ms'], 3), 'ms/step', round(r['kernel_ms_per_step'], 3), 'ms of kernels', r['kernels_per_step'], 'kernels') for r in d.get('runs', [d])]" ;;
+                   --fuse-prologue on --residual-add both --out "$OUT" >"$OUT/profile_decode.log" 2>&1; echo "== decode-fp8: exit $?"
+                python3 -c "import json; d=json.load(open('$OUT/profile_decode.json')); [print(r['kv_dtype'], 'residual', r['residual_add'], round(r['graphed_step_ms'], 3), 'ms/step', round(r['kernel_ms_per_step'], 3), 'ms of kernels', r['kernels_per_step'], 'kernels') for r in d.get('runs', [d])]" ;;
     seed-fp8) bench seed_bf16 200 --workload bench/seed_workload.json --parts rollout
               bench seed_fp8 200 --workload bench/seed_workload.json --parts rollout --kv-dtype fp8_e4m3 ;;
     1p7b) bench qwen3_1p7b 240 --workload bench/qwen3_1p7b_workload.json --parts train,rollout ;;

@@ -5,12 +5,15 @@ B rows at one context on random Qwen3-0.6B weights, profiled with torch.profiler
 with cascade attention on and off (alternating, 3 each, same rows).
 
     python3 bench/profile_decode.py [--batch 256] [--context 384] [--prompt P] [--group N] [--no-cascade]
-        [--kv-dtype bf16,fp8_e4m3] [--fuse-prologue off|on|both] [--out DIR]
+        [--kv-dtype bf16,fp8_e4m3] [--fuse-prologue off|on|both] [--residual-add pointwise|addmm|both] [--out DIR]
 --group N: the B rows are B/N requests of N samples each (one shared prompt per request: cascade
 attention reads it once per group unless --no-cascade); default 1, every row its own prompt.
 --kv-dtype: the KV cache's dtype (EngineConfig.kv_dtype); a comma list profiles each in turn, same
 rows and weights, one engine after the other: profile_decode.json holds one result per dtype
 under "runs" (a single dtype: that result alone, as before).
+--residual-add addmm: the engine's residual adds written as a plain `x + y`, which the compiler folds into
+the projections' matmuls (cuBLAS addmm, each with a copy of x): the layout before forward.add_residual,
+for a side-by-side figure (the compiled code is reset between the two).
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+
+import furlong.engine.forward as engine_forward
 
 from furlong.bench.state import NullTokenizer
 from furlong.bench.workload import load_workload
@@ -57,6 +62,8 @@ def main() -> None:
     ap.add_argument("--fuse-prologue", choices=("off", "on", "both"), default="off",
                     help="ModelRunner.fuse_prologue (qk-norm, RoPE and the KV store in one kernel); both: "
                          "each dtype with it off, then on")
+    ap.add_argument("--residual-add", choices=("pointwise", "addmm", "both"), default="pointwise",
+                    help="pointwise: the engine's forward.add_residual; addmm: a plain x + y (see above); both")
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
     prompt_len = a.context if a.prompt is None else a.prompt
@@ -70,6 +77,8 @@ def main() -> None:
     prompts = torch.randint(0, w.model["vocab_size"], (a.batch // a.group, prompt_len)).tolist()
     runs = []
     fused = {"off": [False], "on": [True], "both": [False, True]}[a.fuse_prologue]
+    residual = {"pointwise": ["pointwise"], "addmm": ["addmm"], "both": ["addmm", "pointwise"]}[a.residual_add]
+    pointwise_add = engine_forward.add_residual
     for kv_dtype in kv_dtypes:
         try:
             cfg = EngineConfig(max_model_len=a.context + 4 * STEPS, max_num_seqs=a.batch, cascade_min_prefix=1,
@@ -77,7 +86,12 @@ def main() -> None:
         except ValueError as e:
             ap.error(str(e))
         for fuse in fused:
-            runs.append(profile(model, cfg, prompts, a, prompt_len, fuse))
+            for add in residual:
+                # the layer functions look add_residual up when compiled: set it, and compile afresh
+                engine_forward.add_residual = pointwise_add if add == "pointwise" else lambda x, y: x + y
+                torch._dynamo.reset()
+                runs.append(profile(model, cfg, prompts, a, prompt_len, fuse) | {"residual_add": add})
+    engine_forward.add_residual = pointwise_add
     res = runs[0] if len(runs) == 1 else {"runs": runs}
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "profile_decode.json").write_text(json.dumps(res, indent=1))

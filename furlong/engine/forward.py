@@ -11,8 +11,19 @@ or, in a decode step on CUDA, with qk-norm, RoPE and the KV store in one kernel:
     o = attend_qkv(layer, qkv, ..)  store_kernels.decode_prologue, then the attention
     x = post_attention(x, o)        o-projection + residual, RMSNorm, one gate|up matmul, SiLU*up, down + residual
 with the same arithmetic as models/decoder.py (RMSNorm and RoPE in fp32, cast
-back before the weight) so the engine and the trainer compute the same
-function; tests compare the two.
+back before the weight; each projection rounded to the model dtype before its
+residual add) so the engine and the trainer compute the same function; tests
+compare the two.
+
+Layer boundaries: a layer's post_attention and the next layer's pre_attention
+(or project_qkv; the final norm after the last layer) are one function, so the
+compiler fuses the down projection's residual add into the next RMSNorm's
+kernel. Compiled alone, post_attention returned `x + down(..)`, which the
+compiler turns into cuBLAS addmm: a copy of x into the output, then the matmul
+accumulating onto it (two per layer with the o-projection's), one rounding
+where the trainer rounds twice. `add_residual` adds in fp32 on the rounded
+projection, which keeps it a pointwise add (the trainer's rounding, the same
+bits as a bf16 add).
 
 Fused weights: `fuse_projections` concatenates each layer's q/k/v (and gate/up)
 weights and biases into one tensor and turns the module's parameters into views
@@ -20,10 +31,11 @@ of it. The parameters keep their names and shapes, so weight sync (`copy_` by
 name) writes straight into the fused tensors, and CUDA graphs captured over
 them stay valid.
 
-Compilation (CUDA): pre_attention, post_attention and the final norm are each
-`torch.compile`d once with a dynamic token count; every layer calls the same
-compiled code with its own weights (no per-layer recompiles), fusing the
-norms, RoPE and SiLU into a few kernels. The matmuls stay cuBLAS.
+Compilation (CUDA): the first layer's pre_attention/project_qkv and the three
+boundary functions are each `torch.compile`d once with a dynamic token count;
+every layer calls the same compiled code with its own weights (tensors passed
+one by one: no per-layer recompiles), fusing the norms, RoPE, SiLU and residual
+adds into a few kernels. The matmuls stay cuBLAS.
 """
 from __future__ import annotations
 
@@ -72,13 +84,51 @@ def project_qkv(x: torch.Tensor, ln_w: torch.Tensor, qkv_w: torch.Tensor, qkv_b:
     return F.linear(rms_norm(x, ln_w, eps), qkv_w, qkv_b)
 
 
+def add_residual(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x + y, both [N, H] in the model dtype, rounded once: the same bits as `x + y` in bf16/fp16. Written
+    in fp32 so the compiler cannot fold it into the matmul that made y (addmm: see the module docstring)."""
+    return (x.float() + y.float()).to(x.dtype)
+
+
 def post_attention(x: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None,
                    ln_w: torch.Tensor, gu_w: torch.Tensor, gu_b: torch.Tensor | None, down_w: torch.Tensor,
                    down_b: torch.Tensor | None, eps: float, intermediate: int) -> torch.Tensor:
     """x [N, H], o [N, Hq, D] -> next x [N, H]."""
-    x = x + F.linear(o.flatten(1), o_w, o_b)
+    x = add_residual(x, F.linear(o.flatten(1), o_w, o_b))
     gate, up = F.linear(rms_norm(x, ln_w, eps), gu_w, gu_b).split(intermediate, dim=-1)
-    return x + F.linear(F.silu(gate) * up, down_w, down_b)
+    return add_residual(x, F.linear(F.silu(gate) * up, down_w, down_b))
+
+
+def post_then_pre(x: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None,
+                  post_ln_w: torch.Tensor, gu_w: torch.Tensor, gu_b: torch.Tensor | None, down_w: torch.Tensor,
+                  down_b: torch.Tensor | None, eps: float, intermediate: int, ln_w: torch.Tensor,
+                  qkv_w: torch.Tensor, qkv_b: torch.Tensor | None, qn_w: torch.Tensor | None,
+                  kn_w: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                  num_kv_heads: int, head_dim: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer's post_attention, then the next layer's pre_attention: -> x [N, H], q, k, v."""
+    x = post_attention(x, o, o_w, o_b, post_ln_w, gu_w, gu_b, down_w, down_b, eps, intermediate)
+    return (x, *pre_attention(x, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps, num_heads, num_kv_heads,
+                              head_dim))
+
+
+def post_then_project(x: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None,
+                      post_ln_w: torch.Tensor, gu_w: torch.Tensor, gu_b: torch.Tensor | None,
+                      down_w: torch.Tensor, down_b: torch.Tensor | None, eps: float, intermediate: int,
+                      ln_w: torch.Tensor, qkv_w: torch.Tensor, qkv_b: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's post_attention, then the next layer's project_qkv: -> x [N, H], qkv."""
+    x = post_attention(x, o, o_w, o_b, post_ln_w, gu_w, gu_b, down_w, down_b, eps, intermediate)
+    return x, project_qkv(x, ln_w, qkv_w, qkv_b, eps)
+
+
+def post_then_norm(x: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None,
+                   post_ln_w: torch.Tensor, gu_w: torch.Tensor, gu_b: torch.Tensor | None, down_w: torch.Tensor,
+                   down_b: torch.Tensor | None, eps: float, intermediate: int, norm_w: torch.Tensor
+                   ) -> torch.Tensor:
+    """The last layer's post_attention, then the final RMSNorm: -> hidden [N, H]."""
+    return rms_norm(post_attention(x, o, o_w, o_b, post_ln_w, gu_w, gu_b, down_w, down_b, eps, intermediate),
+                    norm_w, eps)
 
 
 def _fuse(params: list[nn.Parameter]) -> torch.Tensor:
@@ -128,12 +178,10 @@ class EngineForward:
         self.model = model
         self.args = model.args
         self.layers = fuse_projections(model)
-        self.pre, self.project, self.post, self.norm = pre_attention, project_qkv, post_attention, rms_norm
+        fns = pre_attention, project_qkv, post_then_pre, post_then_project, post_then_norm
         if compile:
-            self.pre = torch.compile(pre_attention, dynamic=True)
-            self.project = torch.compile(project_qkv, dynamic=True)
-            self.post = torch.compile(post_attention, dynamic=True)
-            self.norm = torch.compile(rms_norm, dynamic=True)
+            fns = tuple(torch.compile(f, dynamic=True) for f in fns)
+        self.pre, self.project, self.post_pre, self.post_project, self.post_norm = fns
 
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
                attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
@@ -141,20 +189,28 @@ class EngineForward:
         """input_ids, positions [N] -> final-normed hidden [N, H]; attend(layer, q, k, v) -> [N, Hq, D].
         attend_qkv(layer, qkv, q_norm, k_norm, cos, sin, eps) -> [N, Hq, D], when given, takes the
         projection before qk-norm and RoPE and applies them itself (DecodeContext.attend_qkv)."""
-        a, m = self.args, self.model
+        a, m, eps = self.args, self.model, self.args.rms_norm_eps
+        heads = a.num_heads, a.num_kv_heads, a.head_dim
         x = m.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, m.inv_freq, m.rope_attention_factor)
+        w = self.layers[0]
+        if attend_qkv is not None:
+            qkv = self.project(x, w.ln_w, w.qkv_w, w.qkv_b, eps)
+        else:
+            q, k, v = self.pre(x, w.ln_w, w.qkv_w, w.qkv_b, w.qn_w, w.kn_w, cos, sin, eps, *heads)
         for i, w in enumerate(self.layers):
             if attend_qkv is not None:
-                o = attend_qkv(i, self.project(x, w.ln_w, w.qkv_w, w.qkv_b, a.rms_norm_eps), w.qn_w, w.kn_w, cos,
-                               sin, a.rms_norm_eps)
+                o = attend_qkv(i, qkv, w.qn_w, w.kn_w, cos, sin, eps)
             else:
-                q, k, v = self.pre(x, w.ln_w, w.qkv_w, w.qkv_b, w.qn_w, w.kn_w, cos, sin, a.rms_norm_eps,
-                                   a.num_heads, a.num_kv_heads, a.head_dim)
                 o = attend(i, q, k, v)
-            x = self.post(x, o, w.o_w, w.o_b, w.post_ln_w, w.gu_w, w.gu_b, w.down_w, w.down_b, a.rms_norm_eps,
-                          a.intermediate_size)
-        return self.norm(x, m.norm.weight, a.rms_norm_eps)
+            post = (x, o, w.o_w, w.o_b, w.post_ln_w, w.gu_w, w.gu_b, w.down_w, w.down_b, eps, a.intermediate_size)
+            if i + 1 < len(self.layers):
+                n = self.layers[i + 1]
+                if attend_qkv is not None:
+                    x, qkv = self.post_project(*post, n.ln_w, n.qkv_w, n.qkv_b)
+                else:
+                    x, q, k, v = self.post_pre(*post, n.ln_w, n.qkv_w, n.qkv_b, n.qn_w, n.kn_w, cos, sin, *heads)
+        return self.post_norm(*post, m.norm.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.model.output_weight)
