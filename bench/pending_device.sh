@@ -10,9 +10,9 @@
 # call2  the long rollout with fp8 and bf16 KV on one card (issue 21: <= 40 s; on an H200, the issue's own
 #        card, these have not run since fp8's V became dim-major and its kernel 1-warp), each split into
 #        fixed, per-row and attention costs (bench/rollout_time_split.py; the fused decode prologue is on
-#        by default since it last ran); the decode probe with both, each with the prologue off and on; the
-#        decode step's matmuls against their floor (bench/decode_gemm_sweep.py); the prologue's and the fp8
-#        GPU tests (all of these measured on an H100 only)
+#        by default since it last ran); the decode probe with both, each with the residual adds folded into
+#        the matmuls (addmm) and kept pointwise (forward.add_residual); the prologue's and the engine's GPU
+#        tests (the layer boundaries changed since they last ran)
 # call3  the GPU demo, 100 rollouts: full-parameter bf16, --lora-rank 64 (issue 20), fp8 KV (issue 21);
 #        VARIANTS="full fp8" picks some (all three can run past one call's 600 s: split them over two calls)
 # Measured on an H100 and dropped from here: the mixed-step GPU test and multi-turn (1.20x), the long
@@ -30,15 +30,13 @@ call1)
     timeout -k 10 100 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=90 tests/test_offload_gpu.py \
         >"$OUT/offload_gpu.log" 2>&1; echo "== offload GPU tests: exit $?"; tail -3 "$OUT/offload_gpu.log" ;;
 call2)
+    bash bench/bigger_models.sh decode-fp8
+    timeout -k 10 100 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging --timeout=90 \
+        tests/test_decode_prologue_gpu.py tests/test_engine_gpu.py >"$OUT/engine_gpu.log" 2>&1
+    echo "== prologue + engine GPU tests: exit $?"; grep -E "passed|failed|FAILED|Error" "$OUT/engine_gpu.log" | tail -6
     timeout -k 10 310 python3 bench/rollout_time_split.py --workload bench/long_workload.json \
         --kv-dtype fp8_e4m3,bf16 --out "$OUT" >"$OUT/rollout_time_split.log" 2>&1
-    echo "== rollout time split: exit $?"; grep -E "s = fixed|\(steady|warm-up rollout|Error" "$OUT/rollout_time_split.log"
-    bash bench/bigger_models.sh decode-fp8
-    timeout -k 10 40 python3 bench/decode_gemm_sweep.py --out "$OUT" >"$OUT/decode_gemm_sweep.log" 2>&1
-    echo "== decode GEMM sweep: exit $?"; grep -E "^B=|Error" "$OUT/decode_gemm_sweep.log"
-    timeout -k 10 85 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging --timeout=80 \
-        tests/test_decode_prologue_gpu.py tests/test_kv_fp8_gpu.py >"$OUT/kv_fp8_gpu.log" 2>&1
-    echo "== prologue + fp8 GPU tests: exit $?"; grep -E "passed|failed|FAILED|Error" "$OUT/kv_fp8_gpu.log" | tail -6 ;;
+    echo "== rollout time split: exit $?"; grep -E "s = fixed|\(steady|warm-up rollout|Error" "$OUT/rollout_time_split.log" ;;
 call3)
     # the GPU preset cut to 100 rollouts (300 took 350 s on an H200, SFT included; 100 about 155-165 s on an
     # H100, where the first in a call once ran past 170 s), the baseline beside both
