@@ -39,7 +39,8 @@ for part in "$@"; do
     8b-optoff) FURLONG_BENCH_GUARD_S=360 bench qwen3_8b_optoff 400 --workload bench/qwen3_8b_workload.json --parts train \
                    --optimizer-cpu-offload ;;
     # an 80 GB card: 8B's fp32 weights and gradients (61 GiB) and its gathered bf16 copy (15 GiB) left no room
-    # for a 4096-token probe (an H100, BENCHMARKS.md); resharding after forward frees the gathered copy
+    # for a 4096-token probe (an H100, BENCHMARKS.md); resharding after forward frees the gathered copy (the
+    # memory plan turns it on by itself when nothing fits without it: this part asks for it up front)
     8b-optoff-reshard) FURLONG_BENCH_GUARD_S=360 bench qwen3_8b_optoff_reshard 400 --workload bench/qwen3_8b_workload.json \
                    --parts train --optimizer-cpu-offload --fsdp-reshard-after-forward ;;
     8b-offload) FURLONG_BENCH_GUARD_S=280 bench qwen3_8b_offload 310 --workload bench/qwen3_8b_workload.json --parts train --fsdp-cpu-offload ;;

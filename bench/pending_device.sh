@@ -4,9 +4,10 @@
 # about three, fewer when starts fail):
 #   bash bench/pending_device.sh call1|call2|call3
 # call1  Qwen3-8B full-parameter with --optimizer-cpu-offload (issue 20: trains, step time): sized for an H200;
-#        on an 80 GB H100 (out of memory in the memory probe there, BENCHMARKS.md) with --fsdp-reshard-after-forward,
-#        which frees the 15 GiB gathered bf16 copy beside the 61 GiB of fp32 weights and gradients; the re-run
-#        of the CPU reference's GPU test (its last GPU run failed an allocator reading, since fixed)
+#        on an 80 GB H100 (out of memory in the memory probe there, BENCHMARKS.md) the memory plan now turns
+#        --fsdp-reshard-after-forward on by itself, which frees the 15 GiB gathered bf16 copy beside the 61 GiB
+#        of fp32 weights and gradients; the re-run of the CPU reference's GPU test (its last GPU run failed an
+#        allocator reading, since fixed)
 # call2  the long rollout with fp8 and bf16 KV on one card (issue 21: <= 40 s; on an H200, the issue's own
 #        card, these have not run since fp8's V became dim-major and its kernel 1-warp), each split into
 #        fixed, per-row and attention costs (bench/rollout_time_split.py; the fused decode prologue is on
@@ -25,8 +26,7 @@ OUT="${OUT:-bench/out}"; mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 case ${1:-} in
 call1)
-    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then bash bench/bigger_models.sh 8b-optoff
-    else bash bench/bigger_models.sh 8b-optoff-reshard; fi
+    bash bench/bigger_models.sh 8b-optoff
     timeout -k 10 100 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=90 tests/test_offload_gpu.py \
         >"$OUT/offload_gpu.log" 2>&1; echo "== offload GPU tests: exit $?"; tail -3 "$OUT/offload_gpu.log" ;;
 call2)

@@ -1,6 +1,8 @@
 """The memory planner: budget and recompute from measured probes (pure arithmetic, CPU)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from furlong.trainer.memory_plan import MemoryBudget, MemoryPlanError, ModeProbe, largest_fit, plan_memory
@@ -94,10 +96,73 @@ def test_trainer_plan_with_injected_probes_on_cpu(tmp_path):
     ckpt = write_tiny_checkpoint(tmp_path / "ckpt", vocab_size=128, hidden=32, layers=2, heads=2, kv_heads=1)
     actor = Actor(load_pretrained(ckpt), actor_config(tiny_config(use_dynamic_batch_size=True)), init_distributed("cpu"))
     assert plan_trainer_memory(actor, 4096, False, min_tokens=100).note is None   # CPU, nothing measured
-    plan = plan_trainer_memory(actor, 32768, False, min_tokens=1200, probes=probes(intercept_s=0.5),
+    plan = plan_trainer_memory(actor, 32768, False, min_tokens=1200, measure=lambda modes: probes(intercept_s=0.5),
                                total_bytes=140 * GiB, reserved_bytes=8 * GiB)
     assert plan.gradient_checkpointing and plan.max_tokens_per_gpu == 32768
-    assert "turned --gradient-checkpointing on" in plan.note
+    assert "turned --gradient-checkpointing on" in plan.note and not plan.reshard_after_forward
+    assert not actor.shard.reshard_after_forward
+
+
+def test_when_nothing_fits_with_gathered_weights_the_plan_reshards_after_forward(tmp_path):
+    """Qwen3-8B full-parameter with --optimizer-cpu-offload on an 80 GB card: both modes' probes run out of
+    memory while each layer's weights stay gathered; the plan turns --fsdp-reshard-after-forward on, measures
+    again, and says so. On a real (CPU, FSDP2) actor: its layers then reshard after forward (their
+    parameters are sharded again right after a forward with grad) and a train step runs; when nothing fits
+    even then, the one line says it was measured with the flag and does not suggest it."""
+    import sys
+    from pathlib import Path
+
+    import torch
+    from torch.distributed.tensor import DTensor
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_actor import full_weights, synthetic_samples, tiny_config, train_rollout  # noqa: E402
+    from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
+
+    from furlong.config_map import actor_config
+    from furlong.launch.distributed import init_distributed
+    from furlong.models.hf_io import load_pretrained
+    from furlong.trainer.actor import Actor
+    from furlong.trainer.memory_probe import _probe_batch, plan_trainer_memory
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", vocab_size=128, hidden=32, layers=2, heads=2, kv_heads=1)
+    cfg = tiny_config(use_dynamic_batch_size=True, max_tokens_per_gpu="32")
+    actor = Actor(load_pretrained(ckpt), actor_config(cfg), init_distributed("cpu"))
+    measured = []
+
+    def measure(modes):
+        measured.append((modes, actor.shard.reshard_after_forward))
+        return {m: _oom(m, 76.3) if not actor.shard.reshard_after_forward else probes()[m] for m in modes}
+
+    def gathered_after_forward() -> bool:
+        mb, _ = _probe_batch(16, 128, torch.device("cpu"))
+        actor.model.forward_packed(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
+        gathered = not isinstance(actor.model.layers[0].mlp.up_proj.weight, DTensor)
+        actor.model.zero_grad(set_to_none=True)
+        for m in actor.model.modules():
+            if hasattr(m, "reshard"):
+                m.reshard()
+        return gathered
+
+    assert gathered_after_forward()                           # FSDP's default here: kept across micro-batches
+    plan = plan_trainer_memory(actor, 32768, False, min_tokens=1200, measure=measure, total_bytes=140 * GiB,
+                               reserved_bytes=8 * GiB)
+    assert measured == [((False,), False), ((True,), False), ((False,), True), ((True,), True)]
+    # measured again, the usual plan (here the budget lowered, no recompute), after the reshard's clause
+    assert plan.reshard_after_forward and plan.max_tokens_per_gpu < 32768 and not plan.gradient_checkpointing
+    assert plan.note.startswith("memory: turned --fsdp-reshard-after-forward on (no micro-batch budget fit with "
+                                "each layer's weights kept gathered across micro-batches); lowered "
+                                f"--max-tokens-per-gpu to {plan.max_tokens_per_gpu}: 32768 tokens per micro-batch")
+    assert actor.shard.reshard_after_forward and not gathered_after_forward()
+    before = full_weights(actor)
+    assert math.isfinite(train_rollout(actor, cfg, synthetic_samples([12, 9, 15, 7])).loss)
+    assert any(not torch.equal(before[n], w) for n, w in full_weights(actor).items())
+
+    again = Actor(load_pretrained(ckpt), actor_config(cfg), init_distributed("cpu"))
+    with pytest.raises(MemoryPlanError) as e:
+        plan_trainer_memory(again, 32768, False, min_tokens=1200, total_bytes=140 * GiB,
+                            measure=lambda modes: {m: _oom(m, 76.3) for m in modes})
+    msg = str(e.value)
+    assert "\n" not in msg and msg.endswith("(measured again with --fsdp-reshard-after-forward turned on)")
+    assert "add --lora-rank or --fsdp-cpu-offload, or use more GPUs" in msg and "reshard-after-forward (frees" not in msg
 
 
 def test_out_of_memory_in_a_step_is_one_line_and_keeps_the_checkpoint(tmp_path, capsys, monkeypatch):

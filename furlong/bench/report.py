@@ -45,7 +45,7 @@ class TrainResult:
     gradient_checkpointing: bool = False    # recompute, as asked or as the plan turned it on
     cpu_offload: bool = False               # --fsdp-cpu-offload
     optimizer_offload: bool = False         # --optimizer-cpu-offload
-    reshard_after_forward: bool = False     # --fsdp-reshard-after-forward
+    reshard_after_forward: bool = False     # --fsdp-reshard-after-forward, as given or as the plan turned it on
     optimizer_step_s: float | None = None   # the timed steps' optimizer.step() (device time, median of the steps)
     memory_note: str | None = None          # the plan's line when it departed from the workload's flags
 

@@ -94,7 +94,7 @@ def part_train(b: Bench) -> TrainResult:
         weight_sync_s=sync_s, weight_sync_gib=None if sync_bytes is None else sync_bytes / 2**30,
         planned_max_tokens=None if b.plan is None else b.plan.max_tokens_per_gpu,
         gradient_checkpointing=bool(actor.model.gradient_checkpointing), cpu_offload=b.cpu_offload,
-        optimizer_offload=b.optimizer_offload, reshard_after_forward=b.reshard_after_forward,
+        optimizer_offload=b.optimizer_offload, reshard_after_forward=actor.shard.reshard_after_forward,
         optimizer_step_s=optimizer_s,
         memory_note=None if b.plan is None else b.plan.note,
         weight_sync_note=note)

@@ -20,6 +20,7 @@ One optimizer step (`Trainer._optimizer_step`):
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Callable
@@ -52,6 +53,14 @@ class Trainer:
         self.model = prepare_trainer_model(model, ctx, shard).train()
         self.optimizer = build_optimizer(self.model, optim, offload_moments=shard.optimizer_offload)
         self.scheduler = build_lr_scheduler(self.optimizer, optim, total_steps)
+
+    def reshard_after_forward(self) -> None:
+        """From now on free each layer's gathered compute-dtype weights after its forward and gather them
+        again for its backward (--fsdp-reshard-after-forward; the memory plan turns it on when nothing
+        fits without it). `self.shard` is the live placement; the trainer's Config keeps the flags given."""
+        for layer in self.model.layers:     # the root stays gathered (fsdp.shard_model)
+            layer.set_reshard_after_forward(True, recurse=False)
+        self.shard = dataclasses.replace(self.shard, reshard_after_forward=True)
 
     def _gathered(self, model: torch.nn.Module, samples: list[TrainSample], steps: BatchingConfig,
                   forward: PositionFn) -> list[torch.Tensor]:

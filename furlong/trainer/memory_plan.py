@@ -15,7 +15,8 @@ Given --max-tokens-per-gpu B:
   * fits without recompute (or recompute was asked for and fits): B as given, no line;
   * otherwise the faster of (recompute on, B) and (recompute as asked, the largest budget
     that fits), among those that fit and hold the longest sample; one line says which and why;
-  * nothing fits: MemoryPlanError naming the flags that would help.
+  * nothing fits: MemoryPlanError naming the flags that would help (memory_probe.py first
+    turns --fsdp-reshard-after-forward on, when it is off, and plans again from new probes).
 With `auto`: the faster of (no recompute, largest budget that fits) and (recompute, largest
 budget that fits); --gradient-checkpointing given by the user is kept on.
 
@@ -77,6 +78,7 @@ class MemoryPlan:
     gradient_checkpointing: bool     # recompute decoder layers in backward
     predicted_peak_bytes: int        # of this plan
     note: str | None                 # one line when the plan differs from what was asked, else None
+    reshard_after_forward: bool = False   # the plan turned --fsdp-reshard-after-forward on (memory_probe.py)
 
 
 @dataclass

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -162,16 +162,25 @@ def probe_modes(actor: Actor, modes: tuple[bool, ...] = (False, True)) -> dict[b
 
 
 def plan_trainer_memory(actor: Actor, requested_tokens: int | None, requested_recompute: bool, min_tokens: int,
-                        reserved_bytes: int = 0, probes: dict[bool, ModeProbe] | None = None,
-                        total_bytes: int | None = None) -> MemoryPlan:
+                        reserved_bytes: int = 0, measure: Callable[[tuple[bool, ...]], dict[bool, ModeProbe]] | None
+                        = None, total_bytes: int | None = None) -> MemoryPlan:
     """The run's memory plan (memory_plan.py), measured on this rank and agreed over ranks: every rank
-    takes the smallest budget, and recompute if any rank needs it (one collective). `probes` and
-    `total_bytes` replace the measurement (tests on the CPU); without them a CPU run keeps its flags."""
-    if probes is None and actor.ctx.device.type != "cuda":
+    takes the smallest budget, and recompute if any rank needs it (one collective).
+
+    When no budget fits with each layer's weights kept gathered across micro-batches (FSDP's default
+    here), the plan turns --fsdp-reshard-after-forward on (actor.reshard_after_forward), measures
+    again and says so in its line: on one GPU the gathered compute-dtype copy of an 8B model is 15 GiB
+    beside 61 GiB of fp32 weights and gradients. Every rank decides this together (a collective), as
+    the probes run FSDP's collectives.
+
+    `measure(modes)` -> {recompute: ModeProbe} replaces the probes and `total_bytes` the device's
+    memory (tests on the CPU); without them a CPU run keeps its flags."""
+    if measure is None and actor.ctx.device.type != "cuda":
         tokens = CPU_DEFAULT_TOKENS if requested_tokens is None else requested_tokens
         note = (f"--max-tokens-per-gpu auto: CPU run, using the default budget of {tokens} tokens"
                 if requested_tokens is None else None)
         return MemoryPlan(tokens, requested_recompute, 0, note)
+    measure = measure or (lambda modes: probe_modes(actor, modes))
     # trainer state not allocated yet: AdamW's two fp32 moments per trainable parameter on this device
     has_state = any(len(s) > 0 for s in actor.optimizer.state.values())
     pending = 0 if has_state else sum(2 * 4 * (p.to_local() if hasattr(p, "to_local") else p).numel()
@@ -180,27 +189,45 @@ def plan_trainer_memory(actor: Actor, requested_tokens: int | None, requested_re
     if total_bytes is None:
         total_bytes = torch.cuda.get_device_properties(actor.ctx.device).total_memory
     budget = MemoryBudget(total_bytes, reserved_bytes, pending + actor.keep_logits_bytes)
-    if probes is None:
-        # the asked-for mode first: when its budget fits, the other mode's probes (half the start-up
-        # probing) are not needed
-        probes = probe_modes(actor, (requested_recompute,))
-        mine = probes[requested_recompute]
-        fits = (requested_tokens is not None and requested_tokens >= min_tokens and not mine.out_of_memory
-                and mine.peak(requested_tokens, budget.pending_bytes) <= budget.usable_bytes)
-        # agreed (one collective): the probes run FSDP's collectives, so every rank must probe the same
-        # modes, and ranks' peaks differ by a little
-        if all_reduce_max([float(not fits)])[0]:
-            probes.update(probe_modes(actor, tuple(m for m in (False, True) if m != requested_recompute)))
-    try:
-        shard, lora = actor.cfg.shard, actor.cfg.lora
-        used = {"--fsdp-reshard-after-forward": shard.reshard_after_forward, "--lora-rank": lora is not None,
-                "--fsdp-cpu-offload": shard.cpu_offload}
-        plan = plan_memory(probes, budget, requested_tokens, requested_recompute, min_tokens,
-                           flags_off=tuple(f for f in MEMORY_FLAGS if not used[f]))
-        error = None
-    except MemoryPlanError as e:
-        plan, error = None, e
+    args = budget, requested_tokens, requested_recompute, min_tokens
+    plan, error = _measured_plan(actor, measure, *args)
+    if not actor.shard.reshard_after_forward and all_reduce_max([float(plan is None)])[0]:
+        actor.reshard_after_forward()
+        plan, error = _measured_plan(actor, measure, *args)
+        if plan is not None:
+            plan.reshard_after_forward = True
+            plan.note = ("memory: turned --fsdp-reshard-after-forward on (no micro-batch budget fit with each "
+                         "layer's weights kept gathered across micro-batches)"
+                         + (f"; {plan.note.removeprefix('memory: ')}" if plan.note else
+                            f"; {plan.max_tokens_per_gpu} tokens per micro-batch, recompute "
+                            f"{'on' if plan.gradient_checkpointing else 'off'}"))
+        else:
+            error = MemoryPlanError(f"{error} (measured again with --fsdp-reshard-after-forward turned on)")
     return agree_on_plan(plan, error)
+
+
+def _measured_plan(actor: Actor, measure: Callable[[tuple[bool, ...]], dict[bool, ModeProbe]],
+                   budget: MemoryBudget, requested_tokens: int | None, requested_recompute: bool, min_tokens: int
+                   ) -> tuple[MemoryPlan | None, MemoryPlanError | None]:
+    """This rank's plan from probes of the actor as it is placed now, or the error saying why none fits."""
+    # the asked-for mode first: when its budget fits, the other mode's probes (half the start-up probing)
+    # are not needed
+    probes = measure((requested_recompute,))
+    mine = probes[requested_recompute]
+    fits = (requested_tokens is not None and requested_tokens >= min_tokens and not mine.out_of_memory
+            and mine.peak(requested_tokens, budget.pending_bytes) <= budget.usable_bytes)
+    # agreed (one collective): the probes run FSDP's collectives, so every rank must probe the same
+    # modes, and ranks' peaks differ by a little
+    if all_reduce_max([float(not fits)])[0]:
+        probes.update(measure(tuple(m for m in (False, True) if m != requested_recompute)))
+    shard, lora = actor.shard, actor.cfg.lora
+    used = {"--fsdp-reshard-after-forward": shard.reshard_after_forward, "--lora-rank": lora is not None,
+            "--fsdp-cpu-offload": shard.cpu_offload}
+    try:
+        return plan_memory(probes, budget, requested_tokens, requested_recompute, min_tokens,
+                           flags_off=tuple(f for f in MEMORY_FLAGS if not used[f])), None
+    except MemoryPlanError as e:
+        return None, e
 
 
 def agree_on_plan(plan: MemoryPlan | None, error: MemoryPlanError | None = None) -> MemoryPlan:
@@ -215,5 +242,6 @@ def agree_on_plan(plan: MemoryPlan | None, error: MemoryPlanError | None = None)
                                        "(its line says why)")
     if int(-tokens) != plan.max_tokens_per_gpu or bool(recompute) != plan.gradient_checkpointing:
         plan = MemoryPlan(int(-tokens), bool(recompute), plan.predicted_peak_bytes,
-                          (plan.note or "memory:") + " (agreed over ranks: the tightest rank's plan)")
+                          (plan.note or "memory:") + " (agreed over ranks: the tightest rank's plan)",
+                          plan.reshard_after_forward)
     return plan
