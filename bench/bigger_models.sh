@@ -2,7 +2,8 @@
 # Device runs behind BENCHMARKS.md "Bigger models, fp8 KV": each step writes JSON/logs into $OUT.
 #   bash bench/bigger_models.sh PART...   PART: gpu-tests | decode-fp8 | seed-fp8 | 4b | 4b-optoff | 4b-lora |
 #                                               8b-offload | 8b-optoff | 8b-optoff-reshard | 8b-lora | long-fp8 | long-bf16 | long-fp8-only | 1p7b | 4b-ref | lora-apply
-# Every run is bounded by `timeout` so that $OUT always comes back within the device call.
+# Every run is bounded by `timeout` so that $OUT always comes back within the device call
+# (SECS_8B: 8b-optoff's bound, default 400 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/out}"; mkdir -p "$OUT"
@@ -36,7 +37,7 @@ for part in "$@"; do
     # and the 8B full-parameter shape that neither the GPU alone nor --fsdp-cpu-offload's host can hold
     4b-optoff) bench qwen3_4b_optoff 300 --workload bench/qwen3_4b_workload.json --parts train,rollout \
                    --optimizer-cpu-offload ;;
-    8b-optoff) FURLONG_BENCH_GUARD_S=360 bench qwen3_8b_optoff 400 --workload bench/qwen3_8b_workload.json --parts train \
+    8b-optoff) FURLONG_BENCH_GUARD_S=$((${SECS_8B:-400} - 40)) bench qwen3_8b_optoff ${SECS_8B:-400} --workload bench/qwen3_8b_workload.json --parts train \
                    --optimizer-cpu-offload ;;
     # an 80 GB card: 8B's fp32 weights and gradients (61 GiB) and its gathered bf16 copy (15 GiB) left no room
     # for a 4096-token probe (an H100, BENCHMARKS.md); resharding after forward frees the gathered copy (the

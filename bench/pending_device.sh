@@ -2,7 +2,7 @@
 # The device measurements still owed by the open issues, batched into device calls
 # whose pieces' timeouts add up to <= 560 s, most important first (a session's 30 device minutes hold
 # about three, fewer when starts fail):
-#   bash bench/pending_device.sh call1|call2|call3
+#   bash bench/pending_device.sh call0|call1|call2|call3
 # call1  Qwen3-8B full-parameter with --optimizer-cpu-offload (issue 20: trains, step time): sized for an H200;
 #        on an 80 GB H100 (out of memory in the memory probe there, BENCHMARKS.md) the memory plan now turns
 #        --fsdp-reshard-after-forward on by itself, which frees the 15 GiB gathered bf16 copy beside the 61 GiB
@@ -25,6 +25,14 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/out}"; mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 case ${1:-} in
+call0)
+    # one call for a session whose device time is nearly spent: the engine's GPU tests and the decode probe
+    # (the forward's layer boundaries changed since their last GPU run), then as much of call1 as fits
+    timeout -k 10 100 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging --timeout=90 \
+        tests/test_decode_prologue_gpu.py tests/test_engine_gpu.py >"$OUT/engine_gpu.log" 2>&1
+    echo "== prologue + engine GPU tests: exit $?"; grep -E "passed|failed|FAILED|Error" "$OUT/engine_gpu.log" | tail -6
+    bash bench/bigger_models.sh decode-fp8
+    SECS_8B=300 bash bench/bigger_models.sh 8b-optoff ;;
 call1)
     bash bench/bigger_models.sh 8b-optoff
     timeout -k 10 100 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=90 tests/test_offload_gpu.py \
@@ -51,5 +59,5 @@ call3)
         python3 -c "import json, sys; g = json.load(open(sys.argv[1]))['rollout_logprob_abs_diff']; \
 print('mean |trainer - engine| log-prob', round(sum(v for _, v in g) / max(1, len(g)), 5))" "$OUT/demo_${v}_evals.json"
     done ;;
-*) echo "usage: bash bench/pending_device.sh call1|call2|call3"; exit 2 ;;
+*) echo "usage: bash bench/pending_device.sh call0|call1|call2|call3"; exit 2 ;;
 esac
