@@ -89,6 +89,9 @@ def _build_parser() -> _Parser:
     b.add_argument("--fsdp-reshard-after-forward", action="store_true",
                    help="free each layer's gathered weights after its forward (saves one compute-dtype copy of "
                         "the model)")
+    b.add_argument("--offload-rollout-level", nargs="+", default=["kv_cache"], choices=("kv_cache", "weight"),
+                   help="weight: the engine's weights are given back while the trainer runs (its memory plan "
+                        "reserves none for them), as `furlong train --offload-rollout-level kv_cache weight`")
     b.add_argument("--lora-rank", type=int, default=0, metavar="R", help="train LoRA adapters of rank R on all "
                    "linear layers (default: 0, full-parameter)")
     b.add_argument("--lora-alpha", type=float, default=16.0, metavar="A", help="LoRA alpha (default: 16)")
@@ -173,7 +176,8 @@ def _run(argv: list[str]) -> int:
             raise ValueError("--optimizer-cpu-offload: cannot be combined with --fsdp-cpu-offload: give one of them")
         return run_bench(args.workload, args.output, args.parts, args.kv_dtype, args.fsdp_cpu_offload,
                          args.lora_rank, args.lora_alpha, optimizer_offload=args.optimizer_cpu_offload,
-                         reshard_after_forward=args.fsdp_reshard_after_forward)
+                         reshard_after_forward=args.fsdp_reshard_after_forward,
+                         offload_weights="weight" in args.offload_rollout_level)
     if args.command == "plot":
         from furlong.commands.plot import plot_run
         print(f"plot: wrote {plot_run(args.run_dir, args.output)}")

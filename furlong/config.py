@@ -81,6 +81,11 @@ class RolloutFlags:
     rollout_kv_dtype: str = flag("auto", "engine KV cache: auto (the model's dtype) | bf16 | fp8_e4m3 (half the bytes: "
                                  "~2x the tokens and faster long decodes; one scale per token and KV head)",
                                  aliases=["--sglang-kv-cache-dtype"])
+    offload_rollout_level: list[str] = flag(
+        ["kv_cache"], "what the engine gives back while the trainer runs: kv_cache (always) and weight (its "
+        "weights too, written again by the weight update: for big models on one GPU)", nargs="+",
+        miles="the KV cache is always released; miles' default with --colocate is kv_cache weight, furlong's "
+              "kv_cache (the weights stay)")
     sglang_decode_log_interval: int | None = flag(None, "SGLang only", sglang=True)
     sglang_enable_metrics: bool = flag(False, "SGLang only", sglang=True)
 

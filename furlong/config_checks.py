@@ -60,6 +60,8 @@ def validate(cfg: Config, command: str = "train", reward_given: bool = False) ->
     _need(r.rollout_max_context_len is None or r.rollout_max_context_len >= 2, "--rollout-max-context-len",
           "must be >= 2 (a prompt token and a response token)")
     _need(r.custom_generate_timeout > 0, "--custom-generate-timeout", "must be > 0 seconds")
+    _need(set(r.offload_rollout_level) <= {"kv_cache", "weight"}, "--offload-rollout-level",
+          f"values are kv_cache and weight, got {' '.join(r.offload_rollout_level)}")
     _need(r.custom_generate_on_error in ("stop", "drop"), "--custom-generate-on-error",
           f"expected stop or drop, got {r.custom_generate_on_error!r}")
     _need(r.partial_rollout or not r.mask_offpolicy_in_partial_rollout, "--mask-offpolicy-in-partial-rollout",

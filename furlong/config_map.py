@@ -212,7 +212,8 @@ def engine_config(cfg: Config, max_model_len: int) -> EngineConfig:
     return EngineConfig(kv_fraction=r.rollout_kv_fraction, max_num_seqs=r.rollout_max_num_seqs,
                         decode_window=r.rollout_decode_window, max_model_len=max_model_len,
                         use_cuda_graphs=not r.rollout_enforce_eager, cascade=not r.rollout_no_cascade,
-                        kv_dtype=r.rollout_kv_dtype, mix_prefill=not r.rollout_no_mix_prefill)
+                        kv_dtype=r.rollout_kv_dtype, mix_prefill=not r.rollout_no_mix_prefill,
+                        offload_weights="weight" in r.offload_rollout_level)
 
 
 def checkpoint_config(cfg: Config) -> CheckpointConfig:

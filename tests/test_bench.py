@@ -248,8 +248,9 @@ def test_rollout_part_times_cascade_on_and_off_when_rows_share_prompts(tmp_path,
 
 
 def test_bench_reshard_flag_reaches_the_actor(tmp_path, monkeypatch):
-    """`furlong bench --fsdp-reshard-after-forward` (what lets Qwen3-8B full-parameter fit beside its fp32
-    state on an 80 GB card): the actor's config carries it and the train row reports it."""
+    """`furlong bench --fsdp-reshard-after-forward --offload-rollout-level kv_cache weight` (what lets Qwen3-8B
+    full-parameter fit beside its fp32 state on an 80 GB card): the actor's config carries the one, the
+    bench the other, and the train row reports both."""
     from furlong import cli
     from furlong.trainer import actor as actor_mod
     seen = []
@@ -261,6 +262,8 @@ def test_bench_reshard_flag_reaches_the_actor(tmp_path, monkeypatch):
     monkeypatch.setattr(actor_mod.Actor, "__init__", spy)
     out = tmp_path / "b.json"
     assert cli.main(["bench", "--workload", str(write(tmp_path, tiny_workload())), "--output", str(out),
-                     "--parts", "train", "--fsdp-reshard-after-forward"]) == 0
+                     "--parts", "train", "--fsdp-reshard-after-forward", "--offload-rollout-level", "kv_cache",
+                     "weight"]) == 0
     assert seen == [True]
-    assert json.loads(out.read_text())["parts"]["train"]["result"]["reshard_after_forward"] is True
+    train = json.loads(out.read_text())["parts"]["train"]["result"]
+    assert train["reshard_after_forward"] is True and train["offload_weights"] is True

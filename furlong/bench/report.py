@@ -46,6 +46,7 @@ class TrainResult:
     cpu_offload: bool = False               # --fsdp-cpu-offload
     optimizer_offload: bool = False         # --optimizer-cpu-offload
     reshard_after_forward: bool = False     # --fsdp-reshard-after-forward, as given or as the plan turned it on
+    offload_weights: bool = False           # --offload-rollout-level weight: no engine weights reserved
     optimizer_step_s: float | None = None   # the timed steps' optimizer.step() (device time, median of the steps)
     memory_note: str | None = None          # the plan's line when it departed from the workload's flags
 

@@ -55,7 +55,8 @@ def _environment(b: Bench) -> dict[str, Any]:
 
 def run_bench(workload_path: str, output_path: str | None = None, parts: str = "all", kv_dtype: str = "auto",
               cpu_offload: bool = False, lora_rank: int = 0, lora_alpha: float = 16.0,
-              optimizer_offload: bool = False, reshard_after_forward: bool = False) -> int:
+              optimizer_offload: bool = False, reshard_after_forward: bool = False,
+              offload_weights: bool = False) -> int:
     """Run the selected parts; print a table; write JSON (output_path, else $OUT/bench.json).
 
     Returns 0 when every selected part finished, 1 otherwise (the JSON is written either way).
@@ -65,7 +66,8 @@ def run_bench(workload_path: str, output_path: str | None = None, parts: str = "
     out = Path(output_path) if output_path else (Path(os.environ["OUT"]) / "bench.json" if os.environ.get("OUT")
                                                  else None)
     b = Bench(w, kv_dtype=kv_dtype, cpu_offload=cpu_offload, lora_rank=lora_rank, lora_alpha=lora_alpha,
-              optimizer_offload=optimizer_offload, reshard_after_forward=reshard_after_forward)
+              optimizer_offload=optimizer_offload, reshard_after_forward=reshard_after_forward,
+              offload_weights=offload_weights)
     total_s = float(os.environ.get("FURLONG_BENCH_TIME_S", "480"))
     t_start = time.perf_counter()
     payload: dict[str, Any] = {"workload": w.name, "workload_file": str(workload_path), "kv_dtype": kv_dtype,

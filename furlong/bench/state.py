@@ -37,13 +37,15 @@ class Bench:
 
     def __init__(self, workload: Workload, seed: int = 0, kv_dtype: str = "auto", cpu_offload: bool = False,
                  lora_rank: int = 0, lora_alpha: float = 16.0, optimizer_offload: bool = False,
-                 reshard_after_forward: bool = False):
+                 reshard_after_forward: bool = False, offload_weights: bool = False):
         from furlong.launch.distributed import init_distributed
         self.w, self.seed = workload, seed
         self.kv_dtype = kv_dtype          # the engine's KV cache: auto (the model's dtype) | bf16 | fp8_e4m3
         self.cpu_offload = cpu_offload    # --fsdp-cpu-offload for the actor
         self.optimizer_offload = optimizer_offload   # --optimizer-cpu-offload for the actor
         self.reshard_after_forward = reshard_after_forward   # --fsdp-reshard-after-forward for the actor
+        # --offload-rollout-level weight: the engine's weights are not resident while the actor trains
+        self.offload_weights = offload_weights
         self.lora_rank, self.lora_alpha = lora_rank, lora_alpha   # --lora-rank/--lora-alpha (0: full-parameter)
         self.plan: MemoryPlan | None = None   # the actor's memory plan (CUDA), as run set-up makes it
         self.owns_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
@@ -105,7 +107,8 @@ class Bench:
                 # run set-up's memory plan: the workload's budget, recompute on or the budget lowered when
                 # it would not fit (a bigger model with the seed's flags), with the engine's weights resident
                 from furlong.trainer.memory_probe import plan_trainer_memory
-                reserved = sum(p.numel() * p.element_size() for p in self.engine().parameters())
+                reserved = (0 if self.offload_weights
+                            else sum(p.numel() * p.element_size() for p in self.engine().parameters()))
                 self.plan = plan_trainer_memory(self._actor, self.w.max_tokens_per_gpu, False,
                                                 min_tokens=max(self.w.sample_lengths()), reserved_bytes=reserved)
                 self._actor.model.gradient_checkpointing = self.plan.gradient_checkpointing

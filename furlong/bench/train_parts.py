@@ -95,6 +95,7 @@ def part_train(b: Bench) -> TrainResult:
         planned_max_tokens=None if b.plan is None else b.plan.max_tokens_per_gpu,
         gradient_checkpointing=bool(actor.model.gradient_checkpointing), cpu_offload=b.cpu_offload,
         optimizer_offload=b.optimizer_offload, reshard_after_forward=actor.shard.reshard_after_forward,
+        offload_weights=b.offload_weights,
         optimizer_step_s=optimizer_s,
         memory_note=None if b.plan is None else b.plan.note,
         weight_sync_note=note)

@@ -4,6 +4,7 @@
     engine.add(Request(...)); while engine.has_work(): done = engine.step()
     engine.generate(requests)  # the same, all at once; completions in request order
     engine.release()           # free the KV cache for the colocated trainer
+    engine.release_weights()   # and the weights (offload_weights), until restore_weights + a weight sync
 
 Multi-turn: a request with `retain_kv` keeps its pages when it finishes; the
 next turn, `continues` = its id with the whole conversation as the prompt,
@@ -56,6 +57,7 @@ class EngineConfig:
     compile: bool | None = None       # torch.compile the layer blocks (None: on CUDA)
     cpu_kv_tokens: int = 1 << 16      # KV slots on CPU, where free memory is not measured
     kv_dtype: str = "auto"            # KV cache: "auto"/"bf16" the model's dtype, "fp8_e4m3" (kv_fp8.py)
+    offload_weights: bool = False     # weights releasable during training (weight_arena.py; --offload-rollout-level)
 
     def __post_init__(self) -> None:
         if not 0 < self.kv_fraction <= 1:
@@ -77,7 +79,7 @@ class Engine:
         self.runner = ModelRunner(model, config.page_size, config.max_num_seqs, config.use_cuda_graphs,
                                   compile=on_gpu if config.compile is None else config.compile,
                                   cascade=config.cascade, cascade_min_prefix=config.cascade_min_prefix,
-                                  kv_dtype=config.kv_dtype)
+                                  kv_dtype=config.kv_dtype, offload_weights=config.offload_weights)
         self.scheduler: Scheduler | None = None
         self.stats = EngineStats()
         self._next_id = 0
@@ -93,6 +95,9 @@ class Engine:
     # ---- session -------------------------------------------------------------------------------
     def _start(self) -> None:
         cfg, runner = self.cfg, self.runner
+        if runner.weights_released:
+            raise RuntimeError("Engine: its weights were released for training (--offload-rollout-level weight); "
+                               "restore_weights and a weight sync must come first")
         if runner.on_gpu:
             torch.cuda.empty_cache()     # colocated: the trainer's cached blocks are the engine's to use now
             free, _ = torch.cuda.mem_get_info(runner.device)
@@ -113,6 +118,17 @@ class Engine:
             raise RuntimeError("Engine.release: requests are still running")
         self.scheduler = None
         self.runner.release()
+
+    def release_weights(self) -> None:
+        """Free the weights too (EngineConfig.offload_weights), after `release`: for the trainer's step,
+        which ends with restore_weights and the weight sync (run/step.py)."""
+        if self.scheduler is not None:
+            raise RuntimeError("Engine.release_weights: release the session first")
+        self.runner.release_weights()
+
+    def restore_weights(self) -> None:
+        """Memory for the weights again; their values are undefined until the weight sync writes them."""
+        self.runner.restore_weights()
 
     def reset_stats(self) -> EngineStats:
         return self.stats.take()

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from furlong.engine.weight_arena import WeightArena
 from furlong.models.rope import rope_cos_sin
 
 
@@ -131,9 +132,12 @@ def post_then_norm(x: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, o_b: tor
                     norm_w, eps)
 
 
-def _fuse(params: list[nn.Parameter]) -> torch.Tensor:
-    """Concatenate along dim 0 into one tensor; each parameter becomes a view of its slice."""
-    fused = torch.cat([p.detach() for p in params], dim=0)
+def _fuse(params: list[nn.Parameter], arena: WeightArena | None) -> torch.Tensor:
+    """Concatenate along dim 0 into one tensor (in `arena` when given); each parameter becomes a view of
+    its slice."""
+    shape = (sum(p.shape[0] for p in params), *params[0].shape[1:])
+    out = None if arena is None else arena.take(shape, params[0].dtype)
+    fused = torch.cat([p.detach() for p in params], dim=0, out=out)
     start = 0
     for p in params:
         p.data = fused[start:start + p.shape[0]]
@@ -157,27 +161,36 @@ class LayerWeights:
     down_b: torch.Tensor | None
 
 
-def fuse_projections(model: nn.Module) -> list[LayerWeights]:
+def fuse_projections(model: nn.Module, arena: WeightArena | None = None) -> list[LayerWeights]:
+    """Each layer's q/k/v and gate/up weights (and biases) fused. With `arena`, every parameter of the
+    model ends up in it (the fused tensors made there, the rest copied in), so that its memory can be
+    released during training (weight_arena.py)."""
     out = []
     for layer in model.layers:
         a, m = layer.self_attn, layer.mlp
-        bias = lambda *mods: _fuse([x.bias for x in mods]) if mods[0].bias is not None else None  # noqa: E731
+        fuse = lambda *mods, kind="weight": (  # noqa: E731
+            _fuse([getattr(x, kind) for x in mods], arena) if getattr(mods[0], kind) is not None else None)
         out.append(LayerWeights(
             ln_w=layer.input_layernorm.weight,
-            qkv_w=_fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_b=bias(a.q_proj, a.k_proj, a.v_proj),
+            qkv_w=fuse(a.q_proj, a.k_proj, a.v_proj), qkv_b=fuse(a.q_proj, a.k_proj, a.v_proj, kind="bias"),
             qn_w=a.q_norm.weight if a.q_norm is not None else None,
             kn_w=a.k_norm.weight if a.k_norm is not None else None,
             o_w=a.o_proj.weight, o_b=a.o_proj.bias, post_ln_w=layer.post_attention_layernorm.weight,
-            gu_w=_fuse([m.gate_proj.weight, m.up_proj.weight]), gu_b=bias(m.gate_proj, m.up_proj),
+            gu_w=fuse(m.gate_proj, m.up_proj), gu_b=fuse(m.gate_proj, m.up_proj, kind="bias"),
             down_w=m.down_proj.weight, down_b=m.down_proj.bias))
+    if arena is not None:
+        for p in model.parameters():
+            if not arena.holds(p):
+                p.data = arena.take(tuple(p.shape), p.dtype).copy_(p.detach())
     return out
 
 
 class EngineForward:
-    def __init__(self, model: nn.Module, compile: bool):
+    def __init__(self, model: nn.Module, compile: bool, arena: WeightArena | None = None):
+        """`arena`: where the weights are to live (weight_arena.py); None leaves them where they are."""
         self.model = model
         self.args = model.args
-        self.layers = fuse_projections(model)
+        self.layers = fuse_projections(model, arena)
         fns = pre_attention, project_qkv, post_then_pre, post_then_project, post_then_norm
         if compile:
             fns = tuple(torch.compile(f, dynamic=True) for f in fns)

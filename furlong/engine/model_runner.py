@@ -48,6 +48,7 @@ from furlong.engine.sampling import SamplingRows, row_thresholds, sample_referen
 from furlong.engine.sequence import Sequence, StepOutput
 from furlong.engine.splits import program_splits, resident_programs, wave_splits
 from furlong.engine.stable_memory import stable_buffer
+from furlong.engine.weight_arena import WeightArena
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512,
                  640, 768, 896, 1024)
@@ -55,9 +56,13 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, page_size: int, max_num_seqs: int, use_cuda_graphs: bool,
-                 compile: bool, cascade: bool = True, cascade_min_prefix: int = 1, kv_dtype: str = "auto"):
+                 compile: bool, cascade: bool = True, cascade_min_prefix: int = 1, kv_dtype: str = "auto",
+                 offload_weights: bool = False):
         self.model = model
-        self.forward = EngineForward(model, compile=compile)
+        # offload_weights: the weights in one arena whose memory release_weights gives back (weight_arena.py)
+        self.weights = (WeightArena.for_tensors(list(model.parameters()), next(model.parameters()).device)
+                        if offload_weights else None)
+        self.forward = EngineForward(model, compile=compile, arena=self.weights)
         self.args = model.args
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -145,6 +150,29 @@ class ModelRunner:
             self.pool = None
         if self.on_gpu:
             torch.cuda.empty_cache()
+
+    def release_weights(self) -> None:
+        """Give the weights' memory back for training (offload_weights; nothing may be running); the
+        values are lost: restore_weights, then the weight sync writes every weight."""
+        if self.weights is None:
+            raise RuntimeError("ModelRunner.release_weights: the runner was made without offload_weights")
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+        self.weights.release()
+        if not self.weights.stable:     # the weights' address may move: graphs captured over them go
+            self.graphs.clear()
+            self.pool = None
+
+    def restore_weights(self) -> None:
+        """Take the weights' memory again, contents undefined until the weight sync writes them."""
+        if self.weights is not None and self.weights.released:
+            if self.on_gpu:   # the trainer's cached blocks: the driver must have the memory to map
+                torch.cuda.empty_cache()
+            self.weights.restore()
+
+    @property
+    def weights_released(self) -> bool:
+        return self.weights is not None and self.weights.released
 
     # ---- sampling ------------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, rows: SamplingRows, truncate: bool) -> tuple[torch.Tensor, torch.Tensor]:

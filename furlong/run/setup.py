@@ -122,13 +122,20 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctio
             from furlong.trainer.critic import build_critic
             critic = build_critic(critic_config(cfg), ctx, critic_ckpt)
         if config.steps.use_dynamic_batch_size:
-            # the memory plan, measured with the engine's weights resident as in every later step: a budget
-            # that would not fit turns recompute on or is lowered, with one line, instead of an OOM in step 1
+            # the memory plan, measured with the engine's weights placed as in every later step (resident, or
+            # released by --offload-rollout-level weight): a budget that would not fit turns recompute on or is
+            # lowered, with one line, instead of an OOM in step 1
+            from furlong.run.step import releases_engine_weights, update_engine_weights
             from furlong.trainer.memory_probe import plan_trainer_memory
-            reserved = sum(p.numel() * p.element_size() for p in engine_model.parameters())
+            released = releases_engine_weights(engine.cfg.offload_weights, config, 0)
+            if released:
+                engine.release_weights()
+            reserved = 0 if released else sum(p.numel() * p.element_size() for p in engine_model.parameters())
             requested = None if max_tokens_is_auto(cfg) else config.steps.max_tokens_per_gpu
             plan = plan_trainer_memory(actor, requested, cfg.batch.gradient_checkpointing,
                                        min_tokens=max_prompt_len + max_resp, reserved_bytes=reserved)
+            if released:   # the probes took no optimizer step: the trainer still holds the loaded weights
+                update_engine_weights(actor.model, engine, cfg.batch.update_weight_buffer_size)
             # one budget and recompute mode for both trainers: the critic's activations per token are the
             # actor's minus the log-prob chunks
             config = config.with_max_tokens(plan.max_tokens_per_gpu)

@@ -46,6 +46,8 @@ from furlong.trainer.weight_sync import sync_weights
 from furlong.types import Group, TrainSample
 
 if TYPE_CHECKING:
+    from furlong.config_map import RunConfig
+    from furlong.engine import Engine
     from furlong.run.setup import RunParts
     from furlong.trainer.actor import Actor
     from furlong.trainer.critic import Critic
@@ -180,6 +182,20 @@ def advantages(samples: list[TrainSample], rewards: torch.Tensor, cfg: Advantage
             s.returns = r
 
 
+def releases_engine_weights(offload_weights: bool, cfg: RunConfig, rollout_id: int) -> bool:
+    """Whether this step frees the engine's weights after its rollout: only where the actor's step ends
+    with a weight update, which writes them all again (a critic-only warm-up rollout has none; replayed
+    rollouts, --debug-train-only, never use the engine)."""
+    return offload_weights and not cfg.debug.train_only and rollout_id >= cfg.num_critic_only_steps
+
+
+def update_engine_weights(actor_model: torch.nn.Module, engine: Engine, bucket_bytes: int) -> int:
+    """The weight update: memory for the engine's weights again if the step released them, then every
+    weight written from the trainer's (weight_sync.py); -> bytes written."""
+    engine.restore_weights()
+    return sync_weights(actor_model, engine.model, bucket_bytes)
+
+
 # ------------------------------------------------------------------------------------------ the step
 
 @dataclass
@@ -199,6 +215,8 @@ def rl_step(parts: RunParts, rollout_id: int, clock: StageClock) -> StepOutput:
                **rollout_reward_logs(batch.samples, cfg.rollout.n_samples_per_prompt, cfg.reward_logs)}
     if cfg.debug.rollout_only:   # --debug-rollout-only: the step ends with its rollout (run/debug_data.py)
         return StepOutput(batch=batch, samples=[], metrics=metrics, train=None)
+    if releases_engine_weights(parts.engine.cfg.offload_weights, cfg, rollout_id):
+        parts.engine.release_weights()   # --offload-rollout-level weight: update_engine_weights takes them back
     post = parts.functions.reward_post_process if parts.functions is not None else None
     samples, rewards = clock.run("shaping", train_samples, batch.groups, cfg.shaping, post)
     clock.run("old_log_probs", old_log_probs, samples, actor, cfg.steps, cfg.passes.old)
@@ -220,7 +238,7 @@ def rl_step(parts: RunParts, rollout_id: int, clock: StageClock) -> StepOutput:
             actor.reset_optimizer_state()
         train = clock.run("actor_train", actor.train_step, samples, cfg.steps)
         if not cfg.debug.train_only:   # replayed rollouts: the engine generates nothing (miles skips it too)
-            clock.run("update_weights", sync_weights, actor.model, parts.engine.model, cfg.update_weight_buffer_size)
+            clock.run("update_weights", update_engine_weights, actor.model, parts.engine, cfg.update_weight_buffer_size)
         metrics.update({k: v for k, v in train.to_log().items() if k != "train/ois" or cfg.log_ois})
     n = cfg.ref_update_interval
     if n is not None and train is not None and actor.ref_model is not None and (rollout_id + 1) % n == 0:
