@@ -26,15 +26,19 @@ OUT="${OUT:-bench/out}"; mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 case ${1:-} in
 call0)
-    # one call for a session whose device time is nearly spent: the engine's GPU tests and the decode probe
-    # (the forward's layer boundaries changed since their last GPU run), then as much of call1 as fits
-    timeout -k 10 100 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging --timeout=90 \
-        tests/test_decode_prologue_gpu.py tests/test_engine_gpu.py >"$OUT/engine_gpu.log" 2>&1
-    echo "== prologue + engine GPU tests: exit $?"; grep -E "passed|failed|FAILED|Error" "$OUT/engine_gpu.log" | tail -6
+    # one call for a session whose device time is nearly spent: the engine's GPU tests, the released-weights
+    # test and the decode probe (the forward's layer boundaries and the weights' arena are new since the
+    # last GPU run), then Qwen3-8B full-parameter with the offloaded optimizer and the engine's weights
+    # released while it trains (on an 80 GB card the plan also reshards after forward by itself)
+    timeout -k 10 110 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging --timeout=90 \
+        tests/test_weight_offload_gpu.py tests/test_decode_prologue_gpu.py tests/test_engine_gpu.py \
+        >"$OUT/engine_gpu.log" 2>&1
+    echo "== weight offload + prologue + engine GPU tests: exit $?"
+    grep -E "passed|failed|FAILED|Error" "$OUT/engine_gpu.log" | tail -6
     bash bench/bigger_models.sh decode-fp8
-    SECS_8B=300 bash bench/bigger_models.sh 8b-optoff ;;
+    SECS_8B=300 bash bench/bigger_models.sh 8b-optoff-free ;;
 call1)
-    bash bench/bigger_models.sh 8b-optoff
+    bash bench/bigger_models.sh 8b-optoff-free
     timeout -k 10 100 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=90 tests/test_offload_gpu.py \
         >"$OUT/offload_gpu.log" 2>&1; echo "== offload GPU tests: exit $?"; tail -3 "$OUT/offload_gpu.log" ;;
 call2)
