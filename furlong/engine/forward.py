@@ -29,7 +29,8 @@ Fused weights: `fuse_projections` concatenates each layer's q/k/v (and gate/up)
 weights and biases into one tensor and turns the module's parameters into views
 of it. The parameters keep their names and shapes, so weight sync (`copy_` by
 name) writes straight into the fused tensors, and CUDA graphs captured over
-them stay valid.
+them stay valid. Given a WeightArena (--offload-rollout-level weight), every
+weight is placed in it, so its memory can be given back during training.
 
 Compilation (CUDA): the first layer's pre_attention/project_qkv and the three
 boundary functions are each `torch.compile`d once with a dynamic token count;
