@@ -163,6 +163,12 @@ def test_when_nothing_fits_with_gathered_weights_the_plan_reshards_after_forward
     msg = str(e.value)
     assert "\n" not in msg and msg.endswith("(measured again with --fsdp-reshard-after-forward turned on)")
     assert "add --lora-rank or --fsdp-cpu-offload, or use more GPUs" in msg and "reshard-after-forward (frees" not in msg
+    # with the engine's weights resident (reserved), releasing them is named too
+    with pytest.raises(MemoryPlanError, match=r"add --offload-rollout-level kv_cache weight \(frees the engine's "
+                                              r"weights while the trainer runs\), --lora-rank or --fsdp-cpu-offload"):
+        plan_trainer_memory(Actor(load_pretrained(ckpt), actor_config(cfg), init_distributed("cpu")), 32768, False,
+                            min_tokens=1200, total_bytes=140 * GiB, reserved_bytes=8 * GiB,
+                            measure=lambda modes: {m: _oom(m, 76.3) for m in modes})
 
 
 def test_out_of_memory_in_a_step_is_one_line_and_keeps_the_checkpoint(tmp_path, capsys, monkeypatch):

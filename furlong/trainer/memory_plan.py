@@ -93,10 +93,16 @@ class MemoryBudget:
         return self.total_bytes * (1.0 - self.safety_fraction) - self.reserved_bytes
 
 
+# what frees memory for the trainer
+MEMORY_FLAGS = ("--fsdp-reshard-after-forward", "--offload-rollout-level kv_cache weight", "--lora-rank",
+                "--fsdp-cpu-offload")
+_WHAT_IT_FREES = {"--fsdp-reshard-after-forward": "the gathered compute-dtype weights",
+                  "--offload-rollout-level kv_cache weight": "the engine's weights while the trainer runs"}
+
+
 def _remedies(flags_off: tuple[str, ...]) -> str:
     """'add A, B or C, or use more GPUs' over the memory flags a run does not use yet."""
-    named = [f + (" (frees the gathered compute-dtype weights)" if f == "--fsdp-reshard-after-forward" else "")
-             for f in flags_off]
+    named = [f + (f" (frees {_WHAT_IT_FREES[f]})" if f in _WHAT_IT_FREES else "") for f in flags_off]
     if not named:
         return "use more GPUs"
     listed = named[0] if len(named) == 1 else ", ".join(named[:-1]) + " or " + named[-1]
@@ -111,9 +117,6 @@ def largest_fit(probe: ModeProbe, budget: MemoryBudget, granule: int = GRANULE) 
     """Largest multiple of `granule` tokens whose predicted peak fits (0 when none does)."""
     room = budget.usable_bytes - probe.peak(0, budget.pending_bytes)
     return max(int(room // probe.per_token_bytes()) // granule * granule, 0)
-
-
-MEMORY_FLAGS = ("--fsdp-reshard-after-forward", "--lora-rank", "--fsdp-cpu-offload")   # what frees trainer memory
 
 
 def plan_memory(probes: dict[bool, ModeProbe], budget: MemoryBudget, requested_tokens: int | None,

@@ -222,7 +222,9 @@ def _measured_plan(actor: Actor, measure: Callable[[tuple[bool, ...]], dict[bool
         probes.update(measure(tuple(m for m in (False, True) if m != requested_recompute)))
     shard, lora = actor.shard, actor.cfg.lora
     used = {"--fsdp-reshard-after-forward": shard.reshard_after_forward, "--lora-rank": lora is not None,
-            "--fsdp-cpu-offload": shard.cpu_offload}
+            "--fsdp-cpu-offload": shard.cpu_offload,
+            # nothing reserved: the engine's weights are released while the trainer runs, or not on this GPU
+            "--offload-rollout-level kv_cache weight": budget.reserved_bytes == 0}
     try:
         return plan_memory(probes, budget, requested_tokens, requested_recompute, min_tokens,
                            flags_off=tuple(f for f in MEMORY_FLAGS if not used[f])), None
