@@ -143,7 +143,7 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctio
                 if trainer is not None:
                     trainer.model.gradient_checkpointing = plan.gradient_checkpointing
                     if plan.reshard_after_forward:
-                        trainer.reshard_after_forward()
+                        trainer.enable_reshard_after_forward()
             if plan.note and ctx.rank == 0:
                 print(plan.note, flush=True)
 

@@ -54,7 +54,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, optim, offload_moments=shard.optimizer_offload)
         self.scheduler = build_lr_scheduler(self.optimizer, optim, total_steps)
 
-    def reshard_after_forward(self) -> None:
+    def enable_reshard_after_forward(self) -> None:
         """From now on free each layer's gathered compute-dtype weights after its forward and gather them
         again for its backward (--fsdp-reshard-after-forward; the memory plan turns it on when nothing
         fits without it). `self.shard` is the live placement; the trainer's Config keeps the flags given."""

@@ -168,7 +168,7 @@ def plan_trainer_memory(actor: Actor, requested_tokens: int | None, requested_re
     takes the smallest budget, and recompute if any rank needs it (one collective).
 
     When no budget fits with each layer's weights kept gathered across micro-batches (FSDP's default
-    here), the plan turns --fsdp-reshard-after-forward on (actor.reshard_after_forward), measures
+    here), the plan turns --fsdp-reshard-after-forward on (actor.enable_reshard_after_forward), measures
     again and says so in its line: on one GPU the gathered compute-dtype copy of an 8B model is 15 GiB
     beside 61 GiB of fp32 weights and gradients. Every rank decides this together (a collective), as
     the probes run FSDP's collectives.
@@ -192,7 +192,7 @@ def plan_trainer_memory(actor: Actor, requested_tokens: int | None, requested_re
     args = budget, requested_tokens, requested_recompute, min_tokens
     plan, error = _measured_plan(actor, measure, *args)
     if not actor.shard.reshard_after_forward and all_reduce_max([float(plan is None)])[0]:
-        actor.reshard_after_forward()
+        actor.enable_reshard_after_forward()
         plan, error = _measured_plan(actor, measure, *args)
         if plan is not None:
             plan.reshard_after_forward = True
