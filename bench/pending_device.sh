@@ -12,8 +12,8 @@
 #        card, these have not run since fp8's V became dim-major and its kernel 1-warp), each split into
 #        fixed, per-row and attention costs (bench/rollout_time_split.py; the fused decode prologue is on
 #        by default since it last ran); the decode probe with both, each with the residual adds folded into
-#        the matmuls (addmm) and kept pointwise (forward.add_residual); the prologue's and the engine's GPU
-#        tests (the layer boundaries changed since they last ran)
+#        the matmuls (addmm) and kept pointwise (forward.add_residual; fp8 alone measured in session 20);
+#        the prologue's and the engine's GPU tests
 # call3  the GPU demo, 100 rollouts: full-parameter bf16, --lora-rank 64 (issue 20), fp8 KV (issue 21);
 #        VARIANTS="full fp8" picks some (all three can run past one call's 600 s: split them over two calls)
 # Measured on an H100 and dropped from here: the mixed-step GPU test and multi-turn (1.20x), the long
@@ -26,22 +26,15 @@ OUT="${OUT:-bench/out}"; mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 case ${1:-} in
 call0)
-    # one call for a session whose device time is nearly spent: the engine's GPU tests, the released-weights
-    # test and the decode probe (the forward's layer boundaries and the weights' arena are new since the
-    # last GPU run), then Qwen3-8B full-parameter with the offloaded optimizer and the engine's weights
-    # released while it trains (on an 80 GB card the plan also reshards after forward by itself)
-    timeout -k 10 110 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging --timeout=90 \
-        tests/test_weight_offload_gpu.py tests/test_decode_prologue_gpu.py tests/test_engine_gpu.py \
-        >"$OUT/engine_gpu.log" 2>&1
-    echo "== weight offload + prologue + engine GPU tests: exit $?"
+    # the engine's GPU tests (in session 20 they ran 35 tests in 110 s, none failed, before the bound cut
+    # them: the released-weights test and the prologue's passed), then Qwen3-8B full-parameter with the
+    # offloaded optimizer and the engine's weights released while it trains (on an 80 GB card the plan also
+    # reshards after forward by itself)
+    timeout -k 10 200 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging --timeout=90 \
+        tests/test_weight_offload_gpu.py tests/test_engine_gpu.py >"$OUT/engine_gpu.log" 2>&1
+    echo "== weight offload + engine GPU tests: exit $?"
     grep -E "passed|failed|FAILED|Error" "$OUT/engine_gpu.log" | tail -6
-    timeout -k 10 90 python3 bench/profile_decode.py --batch 256 --context 640 --kv-dtype fp8_e4m3 \
-        --fuse-prologue on --residual-add both --out "$OUT" >"$OUT/profile_decode.log" 2>&1
-    echo "== decode probe fp8, residual adds as addmm and pointwise: exit $?"
-    python3 -c "import json; d=json.load(open('$OUT/profile_decode.json')); [print(r['residual_add'], \
-round(r['graphed_step_ms'], 3), 'ms/step', round(r['kernel_ms_per_step'], 3), 'ms of kernels', r['kernels_per_step'], \
-'kernels') for r in d.get('runs', [d])]"
-    SECS_8B=${SECS_8B:-280} bash bench/bigger_models.sh 8b-optoff-free ;;
+    SECS_8B=${SECS_8B:-340} bash bench/bigger_models.sh 8b-optoff-free ;;
 call1)
     bash bench/bigger_models.sh 8b-optoff-free
     timeout -k 10 100 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=90 tests/test_offload_gpu.py \
