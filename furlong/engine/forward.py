@@ -23,8 +23,8 @@ compiler turns into cuBLAS addmm: a copy of x into the output, then the matmul
 accumulating onto it (two per layer with the o-projection's), one rounding
 where the trainer rounds twice. `add_residual` adds in fp32 on the rounded
 projection, which keeps it a pointwise add (the trainer's rounding, the same
-bits as a bf16 add). Measured: 362 -> 306 kernels a decode step, 1.032x
-(BENCHMARKS.md, session 20).
+bits as a bf16 add). Measured: 362 -> 306 kernels a decode step, 1.032x on
+the fp8 decode probe (BENCHMARKS.md).
 
 Fused weights: `fuse_projections` concatenates each layer's q/k/v (and gate/up)
 weights and biases into one tensor and turns the module's parameters into views
