@@ -24,11 +24,9 @@ updates that the GPU runs.
 The model's weights are used in place: weight sync copies into the same
 parameter storage, so captured graphs stay valid. The KV cache is allocated
 per generation session and freed after it (the colocated trainer needs the
-memory). On CUDA it lives in a StableBuffer (stable_memory.py): its physical
-memory is unmapped between sessions while its address stays, so the graphs,
-the small decode buffers and the graph pool are kept for the next session.
-Without the driver API the cache is a plain allocation and the graphs are
-dropped with it.
+memory; cache_memory.py): on CUDA its address stays across sessions, so the
+graphs, the small decode buffers and the graph pool are kept for the next
+session; without the driver API the graphs are dropped with it.
 """
 from __future__ import annotations
 
@@ -36,6 +34,7 @@ import bisect
 
 import torch
 
+from furlong.engine.cache_memory import CacheMemory
 from furlong.engine.cascade import GroupPlan, cascade_members, no_groups, plan_groups
 from furlong.engine.decode_inputs import DecodeInputs, sampling_rows
 from furlong.engine.forward import EngineForward
@@ -47,7 +46,6 @@ from furlong.engine.prefix_prefill import prefix_prefill_context
 from furlong.engine.sampling import SamplingRows, row_thresholds, sample_reference
 from furlong.engine.sequence import Sequence, StepOutput
 from furlong.engine.splits import program_splits, resident_programs, wave_splits
-from furlong.engine.stable_memory import stable_buffer
 from furlong.engine.weight_arena import WeightArena
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512,
@@ -90,7 +88,7 @@ class ModelRunner:
         self.fuse_prologue = True
         self.pool = None
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.on_gpu else 1
-        self.stable: tuple | None = None      # (keys, values) StableBuffers, reserved on first use
+        self.cache_memory = CacheMemory(self.layout, self.device)   # the KV cache's bytes per session
         self.inputs: DecodeInputs | None = None   # decode buffers, made on first use (see allocate)
         self.no_threshold: torch.Tensor | None = None   # [R] -inf: the sampler's threshold when nothing is cut
         self.kv_bytes = 0                     # KV cache of the current session
@@ -104,32 +102,9 @@ class ModelRunner:
 
     def allocate(self, num_pages: int, max_pages_per_seq: int) -> None:
         dev, rows = self.device, self.buckets[-1]
-        if self.on_gpu and self.stable is None:
-            total = torch.cuda.get_device_properties(dev).total_memory
-            k = stable_buffer(dev, total)
-            self.stable = (k, stable_buffer(dev, total)) if k is not None else ()
-        layout = self.layout
-        if self.stable:
-            for buf in self.stable:
-                buf.map(num_pages * layout.page_bytes)
-            max_pages = self.stable[0].max_bytes // layout.page_bytes
-            (keys, key_scales), (values, value_scales) = (layout.views(buf.tensor, max_pages, values=i == 1)
-                                                          for i, buf in enumerate(self.stable))
-            if layout.dim_major(values=True):
-                # the decode kernel reads a dim-major V tile whole, slots past a row's context too
-                # (times a zero probability): freshly mapped memory may hold e4m3 NaN bytes, which
-                # would survive that; written slots are always finite (one memset per session: by
-                # bandwidth ~10 ms for a 27 GB V cache, not timed)
-                self.stable[1].tensor[:num_pages * layout.page_bytes].zero_()
-        else:
-            self.graphs.clear()
-            self.pool = None
-            # zeros: the CPU reference attention reads whole pages (masked), and a NaN bit pattern
-            # left in never-written memory would survive the mask (NaN * 0)
-            (keys, key_scales), (values, value_scales) = (
-                layout.views(torch.zeros(num_pages * layout.page_bytes, dtype=torch.uint8, device=dev), num_pages,
-                             values=i == 1) for i in range(2))
-        self.cache = PagedKVCache(keys, values, key_scales, value_scales)
+        self.cache, kept = self.cache_memory.map(num_pages)
+        if not kept:
+            self._drop_graphs()
         self.kv_bytes = num_pages * self.page_bytes()
         self.cache.zero_page(0)        # the scratch page: padded rows read it, keep it finite
         self._group_key = None                # serials restart with the session's scheduler
@@ -142,14 +117,14 @@ class ModelRunner:
     def release(self) -> None:
         """Give the KV cache's memory back. Graphs survive when the cache is a StableBuffer."""
         self.cache = None
-        if self.stable:
-            for buf in self.stable:
-                buf.unmap()
-        else:
-            self.graphs.clear()
-            self.pool = None
+        if not self.cache_memory.unmap():
+            self._drop_graphs()
         if self.on_gpu:
             torch.cuda.empty_cache()
+
+    def _drop_graphs(self) -> None:
+        self.graphs.clear()
+        self.pool = None
 
     def release_weights(self) -> None:
         """Give the weights' memory back for training (offload_weights; nothing may be running); the
@@ -160,8 +135,7 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         self.weights.release()
         if not self.weights.stable:     # the weights' address may move: graphs captured over them go
-            self.graphs.clear()
-            self.pool = None
+            self._drop_graphs()
 
     def restore_weights(self) -> None:
         """Take the weights' memory again, contents undefined until the weight sync writes them."""
