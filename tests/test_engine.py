@@ -294,29 +294,35 @@ def test_stats_count_the_context_each_decode_row_attends_to(ckpt, window):
     assert st.mean_context == pytest.approx(st.num_context_tokens / (steps0 + steps1))
 
 
+def causal_attends(a, n: int):
+    """(attend, attend_qkv) for EngineForward.hidden over one sequence of n tokens, in plain torch: attend
+    causally over it; attend_qkv applies qk-norm and RoPE to the projection itself, then attends."""
+    from furlong.engine.forward import rms_norm, rope
+    from furlong.models.attention import packed_attention
+    cu = torch.tensor([0, n], dtype=torch.int32)
+
+    def attend(layer, q, k, v):
+        return packed_attention(q, k, v, cu, n)
+
+    def attend_qkv(layer, qkv, q_norm, k_norm, cos, sin, eps):
+        t, d = qkv.shape[0], a.head_dim
+        q, k, v = qkv.split([a.num_heads * d, a.num_kv_heads * d, a.num_kv_heads * d], dim=-1)
+        q, k, v = q.reshape(t, -1, d), k.reshape(t, -1, d), v.reshape(t, -1, d)
+        return attend(layer, rope(rms_norm(q, q_norm, eps), cos, sin), rope(rms_norm(k, k_norm, eps), cos, sin), v)
+    return attend, attend_qkv
+
+
 @torch.no_grad()
 def test_forward_hands_attend_qkv_the_projection_pre_attention_norms_and_ropes(ckpt):
     """EngineForward.hidden's fused-prologue path (decode on CUDA: store_kernels.decode_prologue) gets the
     q|k|v projection, the norm weights, cos/sin and eps such that qk-norm + RoPE of it are exactly
     pre_attention's q, k, v: the same hidden states as the unfused path, here with both attending causally
     over the token's own sequence in plain torch."""
-    from furlong.engine.forward import EngineForward, rms_norm, rope
-    from furlong.models.attention import packed_attention
+    from furlong.engine.forward import EngineForward
     model, _ = ckpt
     fwd = EngineForward(model, compile=False)
-    a = fwd.args
     ids, pos = torch.tensor([5, 9, 17, 3, 44, 101]), torch.arange(6)
-    cu = torch.tensor([0, 6], dtype=torch.int32)
-
-    def attend(layer, q, k, v):
-        return packed_attention(q, k, v, cu, 6)
-
-    def attend_qkv(layer, qkv, q_norm, k_norm, cos, sin, eps):
-        n, d = qkv.shape[0], a.head_dim
-        q, k, v = qkv.split([a.num_heads * d, a.num_kv_heads * d, a.num_kv_heads * d], dim=-1)
-        q, k, v = q.reshape(n, -1, d), k.reshape(n, -1, d), v.reshape(n, -1, d)
-        return attend(layer, rope(rms_norm(q, q_norm, eps), cos, sin), rope(rms_norm(k, k_norm, eps), cos, sin), v)
-
+    attend, attend_qkv = causal_attends(fwd.args, 6)
     assert fwd.layers[0].qn_w is not None                     # Qwen3: the norms are exercised
     torch.testing.assert_close(fwd.hidden(ids, pos, attend, attend_qkv), fwd.hidden(ids, pos, attend), rtol=0, atol=0)
 
@@ -330,25 +336,13 @@ def test_compiled_forward_keeps_residual_adds_out_of_the_matmuls(ckpt, tmp_path)
     fused-prologue path and the plain one."""
     from torch._inductor.utils import run_and_get_code
 
-    from furlong.engine.forward import EngineForward, rms_norm, rope
-    from furlong.models.attention import packed_attention
+    from furlong.engine.forward import EngineForward
     path = write_tiny_checkpoint(tmp_path, family="qwen3", vocab_size=128, hidden=64, layers=3, heads=4,
                                  kv_heads=2, seed=1)
     eager = EngineForward(load_pretrained(path, dtype=torch.bfloat16, device="cpu"), compile=False)
     compiled = EngineForward(load_pretrained(path, dtype=torch.bfloat16, device="cpu"), compile=True)
-    a = eager.args
     ids, pos = torch.tensor([5, 9, 17, 3, 44, 101, 7]), torch.arange(7)
-    cu = torch.tensor([0, 7], dtype=torch.int32)
-
-    def attend(layer, q, k, v):
-        return packed_attention(q, k, v, cu, 7)
-
-    def attend_qkv(layer, qkv, q_norm, k_norm, cos, sin, eps):
-        n, d = qkv.shape[0], a.head_dim
-        q, k, v = qkv.split([a.num_heads * d, a.num_kv_heads * d, a.num_kv_heads * d], dim=-1)
-        q, k, v = q.reshape(n, -1, d), k.reshape(n, -1, d), v.reshape(n, -1, d)
-        return attend(layer, rope(rms_norm(q, q_norm, eps), cos, sin), rope(rms_norm(k, k_norm, eps), cos, sin), v)
-
+    attend, attend_qkv = causal_attends(eager.args, 7)
     for fused in (None, attend_qkv):
         got, code = run_and_get_code(compiled.hidden, ids, pos, attend, fused)
         assert code and not any("addmm" in c for c in code)
