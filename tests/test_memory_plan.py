@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from furlong.trainer.memory_plan import MemoryBudget, MemoryPlanError, ModeProbe, largest_fit, plan_memory
+from furlong.trainer.memory_plan import (MemoryBudget, MemoryPlanError, ModeProbe, largest_fit, memory_flags_off,
+                                         out_of_memory_line, plan_memory)
 
 GiB = 2**30
 
@@ -198,12 +199,26 @@ def test_out_of_memory_in_a_step_is_one_line_and_keeps_the_checkpoint(tmp_path, 
     assert code == 1
     line = err.strip().splitlines()[-1]
     assert "out of memory in the rollout stage of rollout 2" in line and "--max-tokens-per-gpu" in line
+    # the flags this run does not use yet; an engine off the GPU has no weights to release
+    assert "--gradient-checkpointing" in line and "--lora-rank" in line and "--offload-rollout-level" not in line
     assert "Traceback" not in err
     assert sorted(p.name for p in save.iterdir()) == before
 
 
 def _oom(recompute: bool, held_gib: float) -> ModeProbe:
     return ModeProbe(recompute, (4096, 8192), (int(held_gib * GiB),) * 2, (0.0, 0.0), out_of_memory=True)
+
+
+def test_out_of_memory_line_names_only_the_flags_not_in_use():
+    """An 8B run with recompute and resharding on, its engine's weights resident on the GPU: the line
+    offers releasing them and the flags still off, not what is already on."""
+    off = memory_flags_off(reshard_after_forward=True, lora=False, cpu_offload=False, engine_weights_free=False)
+    line = out_of_memory_line("train", 0, 8192, recompute=True, flags_off=off)
+    assert "(micro-batches of up to 8192 tokens)" in line and "rollout 1" in line
+    assert "--offload-rollout-level kv_cache weight" in line and "--lora-rank" in line
+    assert "--fsdp-reshard-after-forward" not in line and "--gradient-checkpointing" not in line
+    everything = out_of_memory_line("train", 0, None, recompute=True, flags_off=())
+    assert everything.endswith("or use more GPUs (the last checkpoint is untouched; resume with --load)")
 
 
 def test_a_mode_whose_probe_ran_out_of_memory_is_left_out():

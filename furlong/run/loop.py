@@ -28,6 +28,7 @@ from furlong.run.metrics import Progress, progress_line, write_samples
 from furlong.run.setup import RunParts, build_run
 from furlong.run.user_functions import UserFunctions
 from furlong.trainer.memory_plan import TrainerOutOfMemory, out_of_memory_line
+from furlong.trainer.memory_probe import unused_memory_flags
 from furlong.run.step import StageClock, StepOutput, rl_step
 from furlong.trainer.mfu import mfu
 from furlong.trainer.nonfinite import NonFiniteGuard
@@ -122,6 +123,14 @@ def _step_metrics(parts: RunParts, step: StepOutput, clock: StageClock) -> dict[
     return metrics
 
 
+def _out_of_memory_line(parts: RunParts, stage: str, rollout_id: int) -> str:
+    """The one line a real out-of-memory ends the run with: the budget and mode in force, the flags to add."""
+    actor, weights_free = parts.actor, parts.engine.cfg.offload_weights or parts.engine.device.type != "cuda"
+    flags_off = unused_memory_flags(actor, weights_free) if actor is not None else ()
+    recompute = actor is not None and actor.model.gradient_checkpointing
+    return out_of_memory_line(stage, rollout_id, parts.config.steps.max_tokens_per_gpu, recompute, flags_off)
+
+
 def _rollouts(parts: RunParts, ci: CiChecker, progress: Progress, stop: StopRequest, position: Position) -> int:
     """The RL steps; 0, or 128 + signal when a SIGINT/SIGTERM stopped the run after a whole step."""
     config, ctx, logger = parts.config, parts.ctx, parts.logger
@@ -132,7 +141,7 @@ def _rollouts(parts: RunParts, ci: CiChecker, progress: Progress, stop: StopRequ
         try:
             step = rl_step(parts, rollout_id, clock)                 # rollout ... weight sync (run/step.py)
         except torch.OutOfMemoryError as e:   # one line, not a traceback: the saved state is untouched
-            raise TrainerOutOfMemory(out_of_memory_line(clock.current, rollout_id, parts.config.steps)) from e
+            raise TrainerOutOfMemory(_out_of_memory_line(parts, clock.current, rollout_id)) from e
         if step.train is not None and rollout_id == config.num_critic_only_steps:
             ci.check_first_step_kl(step.train.ppo_kl)
         if config.save_debug_rollout_data and ctx.rank == 0:

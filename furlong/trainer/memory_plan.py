@@ -39,14 +39,14 @@ class TrainerOutOfMemory(RuntimeError):
     """An out-of-memory error the plan did not foresee (the CLI prints it as one line, exit 1)."""
 
 
-def out_of_memory_line(stage: str, rollout_id: int, steps) -> str:
-    """What to change after a real OOM: the stage, the budget in force and the flags that lower memory.
-    `steps`: the run's BatchingConfig (its max_tokens_per_gpu is the planned budget)."""
-    budget = getattr(steps, "max_tokens_per_gpu", None)
+def out_of_memory_line(stage: str, rollout_id: int, budget_tokens: int | None, recompute: bool,
+                       flags_off: tuple[str, ...]) -> str:
+    """What to change after a real OOM: the stage, the planned token budget (None: not known) and recompute
+    mode in force, and memory_flags_off's flags the run does not use yet."""
     return (f"out of memory in the {stage} stage of rollout {rollout_id + 1}"
-            + (f" (micro-batches of up to {budget} tokens)" if budget else "")
-            + ": lower --max-tokens-per-gpu, or add --gradient-checkpointing, --fsdp-cpu-offload or --lora-rank "
-              "(the last checkpoint is untouched; resume with --load)")
+            + (f" (micro-batches of up to {budget_tokens} tokens)" if budget_tokens else "")
+            + ": lower --max-tokens-per-gpu" + ("" if recompute else ", add --gradient-checkpointing")
+            + f", or {_remedies(flags_off)} (the last checkpoint is untouched; resume with --load)")
 
 
 @dataclass
@@ -93,7 +93,7 @@ class MemoryBudget:
         return self.total_bytes * (1.0 - self.safety_fraction) - self.reserved_bytes
 
 
-# what frees memory for the trainer
+# what frees memory for the trainer (beyond --gradient-checkpointing and the token budget, which the plan picks)
 MEMORY_FLAGS = ("--fsdp-reshard-after-forward", "--offload-rollout-level kv_cache weight", "--lora-rank",
                 "--fsdp-cpu-offload")
 _WHAT_IT_FREES = {"--fsdp-reshard-after-forward": "the gathered compute-dtype weights",
@@ -107,6 +107,15 @@ def _remedies(flags_off: tuple[str, ...]) -> str:
         return "use more GPUs"
     listed = named[0] if len(named) == 1 else ", ".join(named[:-1]) + " or " + named[-1]
     return f"add {listed}, or use more GPUs"
+
+
+def memory_flags_off(reshard_after_forward: bool, lora: bool, cpu_offload: bool, engine_weights_free: bool
+                     ) -> tuple[str, ...]:
+    """The MEMORY_FLAGS a run does not use yet; engine_weights_free: the engine's weights are released while
+    the trainer runs (--offload-rollout-level weight), or not on this GPU."""
+    used = {"--fsdp-reshard-after-forward": reshard_after_forward, "--lora-rank": lora,
+            "--fsdp-cpu-offload": cpu_offload, "--offload-rollout-level kv_cache weight": engine_weights_free}
+    return tuple(f for f in MEMORY_FLAGS if not used[f])
 
 
 def _gib(x: float) -> str:

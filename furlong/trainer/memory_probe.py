@@ -32,8 +32,9 @@ import torch
 from furlong.trainer.batching import move_micro_batch, pack_micro_batch, response_positions, to_device
 from furlong.launch.distributed import all_reduce_max
 from furlong.trainer.fsdp import reshard_all
-from furlong.trainer.memory_plan import (GRANULE, MEMORY_FLAGS, SAFETY_FRACTION, MemoryBudget, MemoryPlan,
-                                         MemoryPlanError, ModeProbe, largest_fit, plan_memory)
+from furlong.trainer.memory_plan import (GRANULE, SAFETY_FRACTION, MemoryBudget, MemoryPlan,
+                                         MemoryPlanError, ModeProbe, largest_fit, memory_flags_off,
+                                         plan_memory)
 from furlong.types import TrainSample
 
 if TYPE_CHECKING:
@@ -220,16 +221,19 @@ def _measured_plan(actor: Actor, measure: Callable[[tuple[bool, ...]], dict[bool
     # modes, and ranks' peaks differ by a little
     if all_reduce_max([float(not fits)])[0]:
         probes.update(measure(tuple(m for m in (False, True) if m != requested_recompute)))
-    shard, lora = actor.shard, actor.cfg.lora
-    used = {"--fsdp-reshard-after-forward": shard.reshard_after_forward, "--lora-rank": lora is not None,
-            "--fsdp-cpu-offload": shard.cpu_offload,
-            # nothing reserved: the engine's weights are released while the trainer runs, or not on this GPU
-            "--offload-rollout-level kv_cache weight": budget.reserved_bytes == 0}
+    # nothing reserved: the engine's weights are released while the trainer runs, or not on this GPU
+    flags_off = unused_memory_flags(actor, engine_weights_free=budget.reserved_bytes == 0)
     try:
         return plan_memory(probes, budget, requested_tokens, requested_recompute, min_tokens,
-                           flags_off=tuple(f for f in MEMORY_FLAGS if not used[f])), None
+                           flags_off=flags_off), None
     except MemoryPlanError as e:
         return None, e
+
+
+def unused_memory_flags(actor: Actor, engine_weights_free: bool) -> tuple[str, ...]:
+    """The memory flags (memory_plan.MEMORY_FLAGS) this actor's run does not use yet."""
+    return memory_flags_off(actor.shard.reshard_after_forward, actor.cfg.lora is not None, actor.shard.cpu_offload,
+                            engine_weights_free)
 
 
 def agree_on_plan(plan: MemoryPlan | None, error: MemoryPlanError | None = None) -> MemoryPlan:
