@@ -2,7 +2,7 @@
 # The device measurements still owed by the open issues, batched into device calls
 # whose pieces' timeouts add up to <= 560 s, most important first (a session's 30 device minutes hold
 # about three, fewer when starts fail):
-#   bash bench/pending_device.sh call0|call1|call2|call3
+#   bash bench/pending_device.sh call0|call1|call2|call3|call4
 # call1  Qwen3-8B full-parameter with --optimizer-cpu-offload (issue 20: trains, step time): sized for an H200;
 #        on an 80 GB H100 (out of memory in the memory probe there, BENCHMARKS.md) the memory plan now turns
 #        --fsdp-reshard-after-forward on by itself, which frees the 15 GiB gathered bf16 copy beside the 61 GiB
@@ -16,6 +16,8 @@
 #        the prologue's and the engine's GPU tests
 # call3  the GPU demo, 100 rollouts: full-parameter bf16, --lora-rank 64 (issue 20), fp8 KV (issue 21);
 #        VARIANTS="full fp8" picks some (all three can run past one call's 600 s: split them over two calls)
+# call4  the long workload's train step profiled (issue 21), and the seed's RL step with the engine's weights
+#        kept vs released while training (--offload-rollout-level's default)
 # Measured on an H100 and dropped from here: the mixed-step GPU test and multi-turn (1.20x), the long
 # RL step with and without --partial-rollout (1.25x), the GPU tests, the seed step, the decode kernel's
 # launch settings and split rules (splits.py), the head-packed kernel (slower; dropped).
@@ -61,5 +63,19 @@ call3)
         python3 -c "import json, sys; g = json.load(open(sys.argv[1]))['rollout_logprob_abs_diff']; \
 print('mean |trainer - engine| log-prob', round(sum(v for _, v in g) / max(1, len(g)), 5))" "$OUT/demo_${v}_evals.json"
     done ;;
-*) echo "usage: bash bench/pending_device.sh call0|call1|call2|call3"; exit 2 ;;
+call4)
+    # issue 21's "where the long step's training time goes", never profiled on a GPU (BENCHMARKS.md has
+    # only the FLOP arithmetic): kernels by kind, attention's share, micro-batches, the host's idle time
+    timeout -k 10 200 python3 bench/profile_train.py --workload bench/long_workload.json --label long \
+        --out "$OUT" >"$OUT/profile_train_long.log" 2>&1; echo "== long train profile: exit $?"
+    tail -22 "$OUT/profile_train_long.log"
+    # the seed's real RL step with the engine's weights kept and released while the actor trains (what
+    # decides --offload-rollout-level's default: miles' is kv_cache weight), one after the other
+    for level in kv_cache "kv_cache weight"; do
+        name=seed_rlstep_$(echo $level | tr ' ' _)
+        FURLONG_BENCH_TIME_S=140 timeout -k 10 160 python3 -m furlong bench --workload bench/seed_workload.json \
+            --parts rlstep --offload-rollout-level $level --output "$OUT/$name.json" >"$OUT/$name.log" 2>&1
+        echo "== $name: exit $?"; grep -E "rlstep (plain|partial) step|speedup|Error" "$OUT/$name.log" | tail -7
+    done ;;
+*) echo "usage: bash bench/pending_device.sh call0|call1|call2|call3|call4"; exit 2 ;;
 esac

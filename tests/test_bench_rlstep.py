@@ -81,3 +81,27 @@ def test_rl_step_probe_is_checked(tmp_path):
     w["rl_step_probe"] = {"num_steps": 0}
     with pytest.raises(ValueError, match="rl_step_probe"):
         load_workload(write(tmp_path, w))
+
+
+def test_rlstep_with_offload_weights_releases_the_engine_weights_for_each_train_step(tmp_path, monkeypatch):
+    """`furlong bench --parts rlstep --offload-rollout-level kv_cache weight`: the part's engine is built with
+    releasable weights and rl_step gives them back for every train step after the first rollout (the
+    comparison that decides --offload-rollout-level's default), and restores them before the next rollout."""
+    from furlong.engine import Engine
+    calls = Counter()
+    for name in ("release_weights", "restore_weights"):
+        real = getattr(Engine, name)
+
+        def counted(self, *a, _real=real, _name=name, **k):
+            calls[_name] += 1
+            return _real(self, *a, **k)
+        monkeypatch.setattr(Engine, name, counted)
+    w = tiny_workload(max_tokens_per_gpu=200)
+    out = tmp_path / "bench.json"
+    assert bench.run_bench(str(write(tmp_path, w)), str(out), "rlstep", offload_weights=True) == 0
+    rep = json.loads(out.read_text())["parts"]["rlstep"]
+    assert rep["status"] == "ok", rep["error"]
+    r = rep["result"]
+    steps = len(r["partial_step_s"]) + len(r["plain_step_s"])
+    assert r["offload_weights"] is True
+    assert calls["release_weights"] == steps and calls["restore_weights"] == steps

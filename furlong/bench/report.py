@@ -188,6 +188,7 @@ class RlStepResult:
     partial_step_s_after_first: float | None
     partial_speedup: float | None               # plain / partial, steps 2..K
     note: str
+    offload_weights: bool = False    # --offload-rollout-level weight: engine weights released while training
 
 
 @dataclass

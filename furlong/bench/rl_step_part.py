@@ -188,7 +188,7 @@ def part_rlstep(b: Bench) -> RlStepResult:
         partial_aborted_groups=part["aborted"], partial_resumed_samples=[int(x) for x in part["resumed"]],
         partial_paused_samples=[int(x) for x in part["paused"]], partial_offpolicy_token_frac=part["offpolicy"],
         plain_step_s_after_first=p1, partial_step_s_after_first=p2,
-        partial_speedup=None if p1 is None or p2 is None else p1 / p2,
+        partial_speedup=None if p1 is None or p2 is None else p1 / p2, offload_weights=b.offload_weights,
         note=f"rl_step as furlong train runs it; forced lengths; every {w.rlstep_zero_std_every}th group filtered "
              "(equal rewards); partial step 1 includes compiles and graph captures and is not compared; plain "
              "steps 2..K rerun partial's steps 2..K on the same warm engine and actor from the same prompt "

@@ -76,6 +76,8 @@ class Bench:
         cfg.rollout.rollout_temperature, cfg.rollout.rollout_top_p = w.temperature, w.top_p
         cfg.rollout.rollout_top_k = w.top_k
         cfg.rollout.rollout_max_response_len = max(w.response_lens)
+        if self.offload_weights:   # the rlstep part's engine gives its weights back while the actor trains
+            cfg.rollout.offload_rollout_level = ["kv_cache", "weight"]
         cfg.algo.eps_clip, cfg.algo.eps_clip_high = w.eps_clip, w.eps_clip_high
         o = cfg.optim
         o.optimizer, o.lr, o.weight_decay, o.adam_beta1, o.adam_beta2 = (w.optimizer, w.lr, w.weight_decay,
