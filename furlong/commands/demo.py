@@ -73,14 +73,15 @@ def write_random_qwen3(out_dir: Path, tokenizer_dir: Path, scale: RecipeScale, s
     return out_dir
 
 
-def eval_series(metrics_path: Path, key: str) -> list[tuple[int, float]]:
-    """[(rollouts trained, value)] of metric `key` in a run's metrics.jsonl (an eval or a rollout's train/*
-    line; the eval before training: 0)."""
-    out = []
+def eval_series(metrics_path: Path, *keys: str) -> dict[str, list[tuple[int, float]]]:
+    """{key: [(rollouts trained, value)]} of each metric in a run's metrics.jsonl, read once (an eval or a
+    rollout's train/* line; the eval before training: 0)."""
+    out: dict[str, list[tuple[int, float]]] = {key: [] for key in keys}
     for line in metrics_path.read_text().splitlines():
         rec = json.loads(line)
-        if key in rec:
-            out.append((0 if rec.get("kind") == "eval" else rec["step"] + 1, rec[key]))
+        for key in keys:
+            if key in rec:
+                out[key].append((0 if rec.get("kind") == "eval" else rec["step"] + 1, rec[key]))
     return out
 
 
@@ -163,7 +164,7 @@ def sampled_evals(out: Path, data: Path, scale: DemoScale, seed: int, ctx) -> li
         cfg.parallel.device, cfg.parallel.seed = scale.device, seed
         cfg.log.output_dir = str(out / "eval_sampled" / f"iter_{it}")
         run_eval_only(cfg, ctx)
-        scores.append((it, eval_series(Path(cfg.log.output_dir) / "metrics.jsonl", "eval/synthetic")[-1][1]))
+        scores.append((it, eval_series(Path(cfg.log.output_dir) / "metrics.jsonl", "eval/synthetic")["eval/synthetic"][-1][1]))
     return scores
 
 
@@ -209,10 +210,10 @@ def run_demo(output_dir: str | None = None, seed: int = 0, quick: bool = False,
     finally:
         destroy_distributed()
 
-    greedy = eval_series(out / "grpo" / "metrics.jsonl", "eval/synthetic")
-    # [rollouts trained, mean |trainer - engine| log-prob of the trained tokens]: what fp8 KV or LoRA's
+    # gap: [rollouts trained, mean |trainer - engine| log-prob of the trained tokens]: what fp8 KV or LoRA's
     # merged engine weights cost in mismatch, beside the accuracy they reach
-    gap = eval_series(out / "grpo" / "metrics.jsonl", "train/rollout_logprob_abs_diff")
+    series = eval_series(out / "grpo" / "metrics.jsonl", "eval/synthetic", "train/rollout_logprob_abs_diff")
+    greedy, gap = series["eval/synthetic"], series["train/rollout_logprob_abs_diff"]
     plot_grpo_run(out / "grpo")
     # both curves as [rollouts trained, held-out accuracy] pairs
     (out / "evals.json").write_text(json.dumps({"greedy": greedy, "sampled": sampled,

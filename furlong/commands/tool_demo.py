@@ -103,8 +103,9 @@ def tool_grpo_config(out: Path, data: Path, scale: ToolDemoScale, seed: int) -> 
 def eval_curves(metrics_path: Path) -> dict[str, dict[str, list[tuple[int, float]]]]:
     """{eval set: {"accuracy": [(rollouts trained, mean reward)], "tool_call_rate": [...]}} of a GRPO run."""
     from furlong.commands.demo import eval_series
-    return {name: {"accuracy": eval_series(metrics_path, f"eval/{name}"),
-                   "tool_call_rate": eval_series(metrics_path, f"eval/{name}/tool_call_ratio")}
+    series = eval_series(metrics_path, *(k for name in EVAL_SETS for k in (f"eval/{name}",
+                                                                            f"eval/{name}/tool_call_ratio")))
+    return {name: {"accuracy": series[f"eval/{name}"], "tool_call_rate": series[f"eval/{name}/tool_call_ratio"]}
             for name in EVAL_SETS}
 
 
