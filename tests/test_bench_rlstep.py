@@ -85,17 +85,21 @@ def test_rl_step_probe_is_checked(tmp_path):
 
 def test_rlstep_with_offload_weights_releases_the_engine_weights_for_each_train_step(tmp_path, monkeypatch):
     """`furlong bench --parts rlstep --offload-rollout-level kv_cache weight`: the part's engine is built with
-    releasable weights and rl_step gives them back for every train step after the first rollout (the
-    comparison that decides --offload-rollout-level's default), and restores them before the next rollout."""
+    releasable weights and rl_step gives them back for every train step (the comparison that decides
+    --offload-rollout-level's default), and the weight update takes them back."""
     from furlong.engine import Engine
     calls = Counter()
-    for name in ("release_weights", "restore_weights"):
-        real = getattr(Engine, name)
+    release, restore = Engine.release_weights, Engine.restore_weights
 
-        def counted(self, *a, _real=real, _name=name, **k):
-            calls[_name] += 1
-            return _real(self, *a, **k)
-        monkeypatch.setattr(Engine, name, counted)
+    def counted_release(self):
+        calls["release_weights"] += 1
+        release(self)
+
+    def counted_restore(self):   # every weight update calls it; count only those that had weights to restore
+        calls["restore_weights"] += self.runner.weights_released
+        restore(self)
+    monkeypatch.setattr(Engine, "release_weights", counted_release)
+    monkeypatch.setattr(Engine, "restore_weights", counted_restore)
     w = tiny_workload(max_tokens_per_gpu=200)
     out = tmp_path / "bench.json"
     assert bench.run_bench(str(write(tmp_path, w)), str(out), "rlstep", offload_weights=True) == 0

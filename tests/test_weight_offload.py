@@ -123,6 +123,33 @@ def test_a_run_releases_the_weights_after_each_rollout_and_trains_the_same(tmp_p
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
+def test_a_resumed_run_with_released_weights_syncs_once_and_continues_the_same(tmp_path, capsys, monkeypatch):
+    """Resumed with the weights released: set-up's memory plan takes them back without writing them (the
+    resume writes the checkpoint's weights: one full sync, not two), and the resumed rollout equals one that
+    kept them."""
+    import furlong.trainer.weight_sync as weight_sync
+    a = tiny_assets(tmp_path / "assets")
+    assert run_cli(_argv(a, tmp_path / "first", "--offload-rollout-level", "kv_cache", "weight"), capsys)[0] == 0
+    syncs: list[str] = []
+
+    def counted(*args, **kwargs):
+        syncs.append("sync")
+        return sync_weights(*args, **kwargs)
+    monkeypatch.setattr(weight_sync, "sync_weights", counted)   # set-up's resume imports it when it runs
+    monkeypatch.setattr(step, "sync_weights", counted)          # the weight update's
+    lines = []
+    for name, extra in (("kept", ()), ("freed", ("--offload-rollout-level", "kv_cache", "weight"))):
+        syncs.clear()
+        resumed = [x if x != "3" else "4" for x in _argv(a, tmp_path / name, *extra)]
+        assert run_cli([*resumed, "--load", str(tmp_path / "first" / "ck")], capsys)[0] == 0
+        assert syncs == ["sync", "sync"], name        # the resume's, then rollout 4's weight update
+        lines.append([json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+                      if "train/loss" in x])
+    assert len(lines[0]) == len(lines[1]) == 1 and lines[0][0]["step"] == 3
+    for key in ("rollout/response_len/mean", "train/rollout_logprob_abs_diff", "train/loss", "train/grad_norm"):
+        assert lines[0][0][key] == lines[1][0][key], key
+
+
 def test_offload_rollout_level_names_its_values(tmp_path, capsys):
     a = tiny_assets(tmp_path / "assets")
     code, _, err = run_cli(_argv(a, tmp_path / "bad", "--offload-rollout-level", "kv_cache", "weights"), capsys)

@@ -107,10 +107,9 @@ class Bench:
             self._actor = Actor(self.random_model(), actor_config(cfg), self.ctx)
             if self.device.type == "cuda" and self.w.use_dynamic_batch_size:
                 # run set-up's memory plan: the workload's budget, recompute on or the budget lowered when
-                # it would not fit (a bigger model with the seed's flags), with the engine's weights resident
+                # it would not fit (a bigger model with the seed's flags), with the engine's weights resident unless released
                 from furlong.trainer.memory_probe import plan_trainer_memory
-                reserved = (0 if self.offload_weights
-                            else sum(p.numel() * p.element_size() for p in self.engine().parameters()))
+                reserved = self.engine_reserved_bytes()
                 self.plan = plan_trainer_memory(self._actor, self.w.max_tokens_per_gpu, False,
                                                 min_tokens=max(self.w.sample_lengths()), reserved_bytes=reserved)
                 self._actor.model.gradient_checkpointing = self.plan.gradient_checkpointing
@@ -118,6 +117,12 @@ class Bench:
                       f"{'on' if self.plan.gradient_checkpointing else 'off'}"
                       + (f" ({self.plan.note})" if self.plan.note else ""), flush=True)
         return self._actor
+
+    def engine_reserved_bytes(self) -> int:
+        """What the actor's memory plan leaves to the engine's weights (--offload-rollout-level weight: none,
+        and the engine's copy is not built for it: on an 80 GB card 8B's would not fit beside the actor)."""
+        from furlong.trainer.memory_plan import engine_reserved_bytes
+        return 0 if self.offload_weights else engine_reserved_bytes(self.engine(), released=False)
 
     def steps(self) -> BatchingConfig:
         """The workload's micro-batch plan (what the loop passes the trainers), with the memory plan's

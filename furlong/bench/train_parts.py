@@ -122,12 +122,12 @@ def _guarded_measure(fn: Callable[[], Any], dev: torch.device, actor: Any
 
 
 def _auto_budget(b: Bench) -> tuple[int | None, str]:
-    """memory_probe's budget, with the engine's weights reserved as in a colocated run."""
+    """memory_probe's budget, with the engine's weights reserved as in a colocated run (unless released)."""
     try:
         from furlong.trainer.memory_probe import probe_max_tokens
     except ImportError as e:
         return None, f"memory_probe unavailable: {e!r}"
-    reserved = sum(p.numel() * p.element_size() for p in b.engine().parameters())
+    reserved = b.engine_reserved_bytes()
     return probe_max_tokens(b.actor(), reserved_bytes=reserved), f"engine weights reserved: {reserved / 2**30:.2f} GiB"
 
 

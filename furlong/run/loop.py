@@ -29,7 +29,7 @@ from furlong.run.setup import RunParts, build_run
 from furlong.run.user_functions import UserFunctions
 from furlong.trainer.memory_plan import TrainerOutOfMemory, out_of_memory_line
 from furlong.trainer.memory_probe import unused_memory_flags
-from furlong.run.step import StageClock, StepOutput, rl_step
+from furlong.run.step import StageClock, StepOutput, releases_engine_weights, rl_step
 from furlong.trainer.mfu import mfu
 from furlong.trainer.nonfinite import NonFiniteGuard
 from furlong.types import DistContext
@@ -125,10 +125,14 @@ def _step_metrics(parts: RunParts, step: StepOutput, clock: StageClock) -> dict[
 
 def _out_of_memory_line(parts: RunParts, stage: str, rollout_id: int) -> str:
     """The one line a real out-of-memory ends the run with: the budget and mode in force, the flags to add."""
-    actor, weights_free = parts.actor, parts.engine.cfg.offload_weights or parts.engine.device.type != "cuda"
+    actor, config = parts.actor, parts.config
+    # the actor's training steps release the engine's weights (set-up's memory plan asks the same), or
+    # there are none on the GPU to release
+    weights_free = (releases_engine_weights(parts.engine.cfg.offload_weights, config, config.num_critic_only_steps)
+                    or parts.engine.device.type != "cuda")
     flags_off = unused_memory_flags(actor, weights_free) if actor is not None else ()
     recompute = actor is not None and actor.model.gradient_checkpointing
-    return out_of_memory_line(stage, rollout_id, parts.config.steps.max_tokens_per_gpu, recompute, flags_off)
+    return out_of_memory_line(stage, rollout_id, config.steps.max_tokens_per_gpu, recompute, flags_off)
 
 
 def _rollouts(parts: RunParts, ci: CiChecker, progress: Progress, stop: StopRequest, position: Position) -> int:

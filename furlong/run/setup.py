@@ -126,15 +126,19 @@ def build_run(cfg: Config, ctx: DistContext, with_actor: bool, user: UserFunctio
             # released by --offload-rollout-level weight): a budget that would not fit turns recompute on or is
             # lowered, with one line, instead of an OOM in step 1
             from furlong.run.step import releases_engine_weights, update_engine_weights
+            from furlong.trainer.memory_plan import engine_reserved_bytes
             from furlong.trainer.memory_probe import plan_trainer_memory
-            released = releases_engine_weights(engine.cfg.offload_weights, config, 0)
+            # as in the actor's training steps (a critic-only warm-up step does not train the actor)
+            released = releases_engine_weights(engine.cfg.offload_weights, config, config.num_critic_only_steps)
             if released:
                 engine.release_weights()
-            reserved = 0 if released else sum(p.numel() * p.element_size() for p in engine_model.parameters())
+            reserved = engine_reserved_bytes(engine_model, released)
             requested = None if max_tokens_is_auto(cfg) else config.steps.max_tokens_per_gpu
             plan = plan_trainer_memory(actor, requested, cfg.batch.gradient_checkpointing,
                                        min_tokens=max_prompt_len + max_resp, reserved_bytes=reserved)
-            if released:   # the probes took no optimizer step: the trainer still holds the loaded weights
+            if released and resume is not None:   # the resume below writes the checkpoint's weights: one sync
+                engine.restore_weights()
+            elif released:   # the probes took no optimizer step: the trainer still holds the loaded weights
                 update_engine_weights(actor.model, engine, cfg.batch.update_weight_buffer_size)
             # one budget and recompute mode for both trainers: the critic's activations per token are the
             # actor's minus the log-prob chunks

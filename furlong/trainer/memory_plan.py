@@ -26,6 +26,10 @@ to absorb it), and cost ignores attention's quadratic term (the probes pack one 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 GRANULE = 1024          # budgets are multiples of this many tokens
 SAFETY_FRACTION = 0.15  # of total device memory kept free for fragmentation and the allocator
@@ -98,6 +102,12 @@ MEMORY_FLAGS = ("--fsdp-reshard-after-forward", "--offload-rollout-level kv_cach
                 "--fsdp-cpu-offload")
 _WHAT_IT_FREES = {"--fsdp-reshard-after-forward": "the gathered compute-dtype weights",
                   "--offload-rollout-level kv_cache weight": "the engine's weights while the trainer runs"}
+
+
+def engine_reserved_bytes(engine_model: torch.nn.Module, released: bool) -> int:
+    """The GPU memory the trainer's plan leaves to the engine's weights: none while they are released
+    (--offload-rollout-level weight), else their bytes."""
+    return 0 if released else sum(p.numel() * p.element_size() for p in engine_model.parameters())
 
 
 def _remedies(flags_off: tuple[str, ...]) -> str:
