@@ -2,25 +2,24 @@
 # The device measurements still owed by the open issues, batched into device calls
 # whose pieces' timeouts add up to <= 560 s, most important first (a session's 30 device minutes hold
 # about three, fewer when starts fail):
-#   bash bench/pending_device.sh call0|call1|call2|call3|call4
-# call1  Qwen3-8B full-parameter with --optimizer-cpu-offload (issue 20: trains, step time): sized for an H200;
-#        on an 80 GB H100 (out of memory in the memory probe there, BENCHMARKS.md) the memory plan now turns
-#        --fsdp-reshard-after-forward on by itself, which frees the 15 GiB gathered bf16 copy beside the 61 GiB
-#        of fp32 weights and gradients; the re-run of the CPU reference's GPU test (its last GPU run failed an
-#        allocator reading, since fixed)
+#   bash bench/pending_device.sh call0|call1|call2|call3
+# call0  Qwen3-8B full-parameter with --optimizer-cpu-offload (issue 20: trains, step time; never ran: out of
+#        memory in the memory probe on an H100, BENCHMARKS.md) with --offload-rollout-level kv_cache weight:
+#        the bench's train part builds no engine copy before the weight sync, as a run that releases it; on
+#        an 80 GB card the plan also reshards after forward by itself. Then the long workload's train step
+#        profiled (issue 21 asks where its time goes; only the FLOP arithmetic so far)
+# call1  the engine's, the weight release's and the offloaded reference's GPU tests; the seed's real RL step
+#        with the engine's weights kept and released while the actor trains (decides
+#        --offload-rollout-level's default: miles' is kv_cache weight)
 # call2  the long rollout with fp8 and bf16 KV on one card (issue 21: <= 40 s; on an H200, the issue's own
 #        card, these have not run since fp8's V became dim-major and its kernel 1-warp), each split into
-#        fixed, per-row and attention costs (bench/rollout_time_split.py; the fused decode prologue is on
-#        by default since it last ran); the decode probe with both, each with the residual adds folded into
-#        the matmuls (addmm) and kept pointwise (forward.add_residual; fp8 alone measured in session 20);
-#        the prologue's and the engine's GPU tests
+#        fixed, per-row and attention costs (bench/rollout_time_split.py); the decode probe with both, the
+#        residual adds folded into the matmuls (addmm) and kept pointwise (bf16 not yet measured that way)
 # call3  the GPU demo, 100 rollouts: full-parameter bf16, --lora-rank 64 (issue 20), fp8 KV (issue 21);
 #        VARIANTS="full fp8" picks some (all three can run past one call's 600 s: split them over two calls)
-# call4  the long workload's train step profiled (issue 21), and the seed's RL step with the engine's weights
-#        kept vs released while training (--offload-rollout-level's default)
 # Measured on an H100 and dropped from here: the mixed-step GPU test and multi-turn (1.20x), the long
-# RL step with and without --partial-rollout (1.25x), the GPU tests, the seed step, the decode kernel's
-# launch settings and split rules (splits.py), the head-packed kernel (slower; dropped).
+# RL step with and without --partial-rollout (1.25x), the seed step, the decode kernel's launch settings
+# and split rules (splits.py), the head-packed kernel (slower; dropped).
 # Everything lands in $OUT (logs, JSON, plots); each piece is bounded by `timeout`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,24 +27,23 @@ OUT="${OUT:-bench/out}"; mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 case ${1:-} in
 call0)
-    # the engine's GPU tests (in session 20 they ran 35 tests in 110 s, none failed, before the bound cut
-    # them: the released-weights test and the prologue's passed), then Qwen3-8B full-parameter with the
-    # offloaded optimizer and the engine's weights released while it trains (on an 80 GB card the plan also
-    # reshards after forward by itself)
-    timeout -k 10 200 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging --timeout=90 \
-        tests/test_weight_offload_gpu.py tests/test_engine_gpu.py >"$OUT/engine_gpu.log" 2>&1
-    echo "== weight offload + engine GPU tests: exit $?"
-    grep -E "passed|failed|FAILED|Error" "$OUT/engine_gpu.log" | tail -6
-    SECS_8B=${SECS_8B:-340} bash bench/bigger_models.sh 8b-optoff-free ;;
+    SECS_8B=${SECS_8B:-340} bash bench/bigger_models.sh 8b-optoff-free
+    timeout -k 10 200 python3 bench/profile_train.py --workload bench/long_workload.json --label long \
+        --out "$OUT" >"$OUT/profile_train_long.log" 2>&1; echo "== long train profile: exit $?"
+    tail -24 "$OUT/profile_train_long.log" ;;
 call1)
-    bash bench/bigger_models.sh 8b-optoff-free
-    timeout -k 10 100 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout=90 tests/test_offload_gpu.py \
-        >"$OUT/offload_gpu.log" 2>&1; echo "== offload GPU tests: exit $?"; tail -3 "$OUT/offload_gpu.log" ;;
+    timeout -k 10 220 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging --timeout=90 \
+        tests/test_weight_offload_gpu.py tests/test_offload_gpu.py tests/test_engine_gpu.py >"$OUT/gpu_tests.log" 2>&1
+    echo "== weight release + offload + engine GPU tests: exit $?"
+    grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests.log" | tail -6
+    for level in kv_cache "kv_cache weight"; do
+        name=seed_rlstep_$(echo $level | tr ' ' _)
+        FURLONG_BENCH_TIME_S=140 timeout -k 10 160 python3 -m furlong bench --workload bench/seed_workload.json \
+            --parts rlstep --offload-rollout-level $level --output "$OUT/$name.json" >"$OUT/$name.log" 2>&1
+        echo "== $name: exit $?"; grep -E "rlstep (plain|partial) step|speedup|Error" "$OUT/$name.log" | tail -7
+    done ;;
 call2)
     bash bench/bigger_models.sh decode-fp8
-    timeout -k 10 100 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging --timeout=90 \
-        tests/test_decode_prologue_gpu.py tests/test_engine_gpu.py >"$OUT/engine_gpu.log" 2>&1
-    echo "== prologue + engine GPU tests: exit $?"; grep -E "passed|failed|FAILED|Error" "$OUT/engine_gpu.log" | tail -6
     timeout -k 10 310 python3 bench/rollout_time_split.py --workload bench/long_workload.json \
         --kv-dtype fp8_e4m3,bf16 --out "$OUT" >"$OUT/rollout_time_split.log" 2>&1
     echo "== rollout time split: exit $?"; grep -E "s = fixed|\(steady|warm-up rollout|Error" "$OUT/rollout_time_split.log" ;;
@@ -63,19 +61,5 @@ call3)
         python3 -c "import json, sys; g = json.load(open(sys.argv[1]))['rollout_logprob_abs_diff']; \
 print('mean |trainer - engine| log-prob', round(sum(v for _, v in g) / max(1, len(g)), 5))" "$OUT/demo_${v}_evals.json"
     done ;;
-call4)
-    # issue 21's "where the long step's training time goes", never profiled on a GPU (BENCHMARKS.md has
-    # only the FLOP arithmetic): kernels by kind, attention's share, micro-batches, the host's idle time
-    timeout -k 10 200 python3 bench/profile_train.py --workload bench/long_workload.json --label long \
-        --out "$OUT" >"$OUT/profile_train_long.log" 2>&1; echo "== long train profile: exit $?"
-    tail -22 "$OUT/profile_train_long.log"
-    # the seed's real RL step with the engine's weights kept and released while the actor trains (what
-    # decides --offload-rollout-level's default: miles' is kv_cache weight), one after the other
-    for level in kv_cache "kv_cache weight"; do
-        name=seed_rlstep_$(echo $level | tr ' ' _)
-        FURLONG_BENCH_TIME_S=140 timeout -k 10 160 python3 -m furlong bench --workload bench/seed_workload.json \
-            --parts rlstep --offload-rollout-level $level --output "$OUT/$name.json" >"$OUT/$name.log" 2>&1
-        echo "== $name: exit $?"; grep -E "rlstep (plain|partial) step|speedup|Error" "$OUT/$name.log" | tail -7
-    done ;;
-*) echo "usage: bash bench/pending_device.sh call0|call1|call2|call3|call4"; exit 2 ;;
+*) echo "usage: bash bench/pending_device.sh call0|call1|call2|call3"; exit 2 ;;
 esac

@@ -79,19 +79,21 @@ def main() -> None:
     fused = {"off": [False], "on": [True], "both": [False, True]}[a.fuse_prologue]
     residual = {"pointwise": ["pointwise"], "addmm": ["addmm"], "both": ["addmm", "pointwise"]}[a.residual_add]
     pointwise_add = engine_forward.add_residual
-    for kv_dtype in kv_dtypes:
-        try:
-            cfg = EngineConfig(max_model_len=a.context + 4 * STEPS, max_num_seqs=a.batch, cascade_min_prefix=1,
-                               kv_dtype=kv_dtype)
-        except ValueError as e:
-            ap.error(str(e))
-        for fuse in fused:
-            for add in residual:
-                # the layer functions look add_residual up when compiled: set it, and compile afresh
-                engine_forward.add_residual = pointwise_add if add == "pointwise" else lambda x, y: x + y
-                torch._dynamo.reset()
-                runs.append(profile(model, cfg, prompts, a, prompt_len, fuse) | {"residual_add": add})
-    engine_forward.add_residual = pointwise_add
+    try:   # the module's add_residual is swapped per run: put back whatever happens
+        for kv_dtype in kv_dtypes:
+            try:
+                cfg = EngineConfig(max_model_len=a.context + 4 * STEPS, max_num_seqs=a.batch, cascade_min_prefix=1,
+                                   kv_dtype=kv_dtype)
+            except ValueError as e:
+                ap.error(str(e))
+            for fuse in fused:
+                for add in residual:
+                    # the layer functions look add_residual up when compiled: set it, and compile afresh
+                    engine_forward.add_residual = pointwise_add if add == "pointwise" else lambda x, y: x + y
+                    torch._dynamo.reset()
+                    runs.append(profile(model, cfg, prompts, a, prompt_len, fuse) | {"residual_add": add})
+    finally:
+        engine_forward.add_residual = pointwise_add
     res = runs[0] if len(runs) == 1 else {"runs": runs}
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "profile_decode.json").write_text(json.dumps(res, indent=1))

@@ -164,7 +164,8 @@ def sampled_evals(out: Path, data: Path, scale: DemoScale, seed: int, ctx) -> li
         cfg.parallel.device, cfg.parallel.seed = scale.device, seed
         cfg.log.output_dir = str(out / "eval_sampled" / f"iter_{it}")
         run_eval_only(cfg, ctx)
-        scores.append((it, eval_series(Path(cfg.log.output_dir) / "metrics.jsonl", "eval/synthetic")["eval/synthetic"][-1][1]))
+        key = "eval/synthetic"
+        scores.append((it, eval_series(Path(cfg.log.output_dir) / "metrics.jsonl", key)[key][-1][1]))
     return scores
 
 

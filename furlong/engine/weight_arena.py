@@ -41,8 +41,9 @@ class WeightArena:
 
     @classmethod
     def for_tensors(cls, tensors: list[torch.Tensor], device: torch.device) -> WeightArena:
-        """An arena that holds these tensors (or any grouping of them, e.g. concatenations)."""
-        return cls(sum(_aligned(t.numel() * t.element_size()) for t in tensors) + ALIGN * len(tensors), device)
+        """An arena that holds these tensors (or any grouping of them, e.g. concatenations: a group rounded up
+        takes no more than its parts rounded up one by one)."""
+        return cls(sum(_aligned(t.numel() * t.element_size()) for t in tensors), device)
 
     @property
     def stable(self) -> bool:
