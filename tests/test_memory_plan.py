@@ -172,6 +172,56 @@ def test_when_nothing_fits_with_gathered_weights_the_plan_reshards_after_forward
                             measure=lambda modes: {m: _oom(m, 76.3) for m in modes})
 
 
+def test_the_margin_is_not_taken_of_the_weights_held_before_the_probes():
+    """15% of an 80 GB card is 12 GiB; of the 50 GiB beside 30 GiB of fp32 weights (8B on an H100 with the
+    optimizer's moments offloaded), 7.5: the room the 8B step needs. Without static memory: as before."""
+    assert MemoryBudget(80 * GiB, 0, 0).usable_bytes == pytest.approx(68 * GiB)
+    assert MemoryBudget(80 * GiB, 2 * GiB, 0).usable_bytes == pytest.approx(66 * GiB)
+    assert MemoryBudget(80 * GiB, 2 * GiB, 0, static_bytes=30 * GiB).usable_bytes == pytest.approx(70.5 * GiB)
+
+
+def test_when_nothing_fits_with_kept_logits_the_plan_recomputes_them_before_resharding(tmp_path):
+    """The LM head's logits kept for backward (a tenth of the GPU) are the first thing the plan gives up,
+    from the probes it already has (they ran without them); the actor then keeps none, and nothing is
+    resharded. When even that does not fit, resharding follows with no logits kept."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_actor import tiny_config  # noqa: E402
+    from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
+
+    from furlong.config_map import actor_config
+    from furlong.launch.distributed import init_distributed
+    from furlong.models.hf_io import load_pretrained
+    from furlong.trainer.actor import Actor
+    from furlong.trainer.memory_probe import plan_trainer_memory
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", vocab_size=128, hidden=32, layers=2, heads=2, kv_heads=1)
+    cfg = actor_config(tiny_config(use_dynamic_batch_size=True))
+    actor = Actor(load_pretrained(ckpt), cfg, init_distributed("cpu"))
+    actor.keep_logits_bytes = 20 * GiB
+    measured = []
+
+    def measure(modes):
+        measured.append(modes)
+        return {m: probes(fixed_gib=60)[m] for m in modes}
+
+    # 60 GiB fixed + 20 kept > 68 usable at any budget; without them recompute fits ~13k tokens
+    plan = plan_trainer_memory(actor, 32768, False, min_tokens=1200, measure=measure, total_bytes=80 * GiB)
+    assert measured == [(False,), (True,)]                    # probed once, planned twice
+    assert actor.keep_logits_bytes == 0 and not plan.reshard_after_forward and not actor.shard.reshard_after_forward
+    assert plan.gradient_checkpointing and 1200 <= plan.max_tokens_per_gpu < 32768
+    assert plan.note.startswith("memory: the LM head's logits recomputed in backward, not kept (no micro-batch "
+                                "budget fit with them kept); ")
+
+    again = Actor(load_pretrained(ckpt), cfg, init_distributed("cpu"))
+    again.keep_logits_bytes = 20 * GiB
+    measured.clear()
+    plan = plan_trainer_memory(again, 32768, False, min_tokens=1200, total_bytes=80 * GiB,
+                               measure=lambda modes: measure(modes) if again.shard.reshard_after_forward
+                               else {m: _oom(m, 76.3) for m in modes})
+    assert again.keep_logits_bytes == 0 and plan.reshard_after_forward and measured == [(False,), (True,)]
+
+
 def test_out_of_memory_in_a_step_is_one_line_and_keeps_the_checkpoint(tmp_path, capsys, monkeypatch):
     import sys
     from pathlib import Path

@@ -6,7 +6,8 @@ micro-batches in each recompute mode (--gradient-checkpointing off and on) and r
 peak memory and time; this module decides, as pure arithmetic (tested on CPU):
 
   peak(mode, B)  = fixed(mode) + per_token(mode) * B        (two points per mode; affine)
-  fits(mode, B) <=> peak(mode, B) <= total * (1 - safety) - reserved
+  fits(mode, B) <=> peak(mode, B) <= total - reserved - safety * (total - static)
+                   (static: the memory held before the probes, the weights: no margin for it)
   cost(mode, B)  = seconds per trained token at budget B: (a + b * B) / B, a and b from the
                    two timed probes (a micro-batch's fixed cost - launches, the LM head's
                    chunk loop, FSDP gathers - shrinks per token as B grows)
@@ -91,10 +92,15 @@ class MemoryBudget:
     reserved_bytes: int              # held outside the trainer during training (the engine's weights)
     pending_bytes: int               # trainer state not yet allocated at probe time (AdamW moments, kept logits)
     safety_fraction: float = SAFETY_FRACTION
+    # allocated before the probes and held all run (the trainer's weights): allocated once, never churned,
+    # so the fragmentation margin is not taken of it (8B full-parameter on an 80 GB card: 31 GiB of fp32
+    # weights, on which 15% would be 4.6 GiB of the little room left)
+    static_bytes: int = 0
 
     @property
     def usable_bytes(self) -> float:
-        return self.total_bytes * (1.0 - self.safety_fraction) - self.reserved_bytes
+        return (self.total_bytes - self.reserved_bytes
+                - self.safety_fraction * max(self.total_bytes - self.static_bytes, 0))
 
 
 # what frees memory for the trainer (beyond --gradient-checkpointing and the token budget, which the plan picks)

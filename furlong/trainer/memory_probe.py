@@ -15,7 +15,8 @@ multiple of 1024 tokens whose predicted peak stays under
 
 where reserved_bytes is what stays allocated outside the trainer during
 training (the rollout engine's weights; its KV cache is released). Deviation:
-allocator fragmentation is not modelled; the 15% margin is meant to absorb it.
+allocator fragmentation is not modelled; the 15% margin is meant to absorb it (the run's
+plan, plan_trainer_memory, takes no margin of the weights allocated before its probes).
 
 On CPU there is nothing to measure: CPU_DEFAULT_TOKENS is returned (logged).
 `choose_max_tokens` is the pure decision, unit-tested on CPU.
@@ -168,11 +169,13 @@ def plan_trainer_memory(actor: Actor, requested_tokens: int | None, requested_re
     """The run's memory plan (memory_plan.py), measured on this rank and agreed over ranks: every rank
     takes the smallest budget, and recompute if any rank needs it (one collective).
 
-    When no budget fits with each layer's weights kept gathered across micro-batches (FSDP's default
-    here), the plan turns --fsdp-reshard-after-forward on (actor.enable_reshard_after_forward), measures
-    again and says so in its line: on one GPU the gathered compute-dtype copy of an 8B model is 15 GiB
-    beside 61 GiB of fp32 weights and gradients. Every rank decides this together (a collective), as
-    the probes run FSDP's collectives.
+    When no budget fits, the plan first stops keeping the LM head's logits for backward
+    (actor.keep_logits_bytes, a tenth of the GPU: planned again from the same probes), then turns
+    --fsdp-reshard-after-forward on (actor.enable_reshard_after_forward), measures again and says so in
+    its line: on one GPU the gathered compute-dtype copy of an 8B model is 15 GiB beside 61 GiB of fp32
+    weights and gradients. Every rank decides each step together (a collective), as the probes run
+    FSDP's collectives. On CUDA the memory allocated before the probes (the weights) is the budget's
+    static_bytes (memory_plan.MemoryBudget: no fragmentation margin on it).
 
     `measure(modes)` -> {recompute: ModeProbe} replaces the probes and `total_bytes` the device's
     memory (tests on the CPU); without them a CPU run keeps its flags."""
@@ -187,14 +190,36 @@ def plan_trainer_memory(actor: Actor, requested_tokens: int | None, requested_re
     pending = 0 if has_state else sum(2 * 4 * (p.to_local() if hasattr(p, "to_local") else p).numel()
                                       for p in actor.model.parameters()
                                       if p.requires_grad and p.device.type == actor.ctx.device.type)
+    static = 0
     if total_bytes is None:
         total_bytes = torch.cuda.get_device_properties(actor.ctx.device).total_memory
-    budget = MemoryBudget(total_bytes, reserved_bytes, pending + actor.keep_logits_bytes)
-    args = budget, requested_tokens, requested_recompute, min_tokens
-    plan, error = _measured_plan(actor, measure, *args)
+        static = torch.cuda.memory_allocated(actor.ctx.device)   # the weights, before any probe
+    memo: dict[bool, ModeProbe] = {}
+
+    def measured(modes: tuple[bool, ...]) -> dict[bool, ModeProbe]:   # each mode probed once per placement
+        missing = tuple(m for m in modes if m not in memo)
+        if missing:
+            memo.update(measure(missing))
+        return {m: memo[m] for m in modes}
+
+    def plan_with(keep_bytes: int) -> tuple[MemoryPlan | None, MemoryPlanError | None]:
+        budget = MemoryBudget(total_bytes, reserved_bytes, pending + keep_bytes, static_bytes=static)
+        return _measured_plan(actor, measured, budget, requested_tokens, requested_recompute, min_tokens)
+
+    plan, error = plan_with(actor.keep_logits_bytes)
+    if actor.keep_logits_bytes and all_reduce_max([float(plan is None)])[0]:
+        # the logits kept for backward (a tenth of the GPU) go first: recomputing them costs one more LM-head
+        # matmul per chunk, re-gathering every layer per micro-batch costs more (the probes ran without them)
+        plan, error = plan_with(0)
+        if plan is not None:
+            actor.keep_logits_bytes = 0
+            plan.note = ("memory: the LM head's logits recomputed in backward, not kept (no micro-batch budget fit "
+                         "with them kept)" + (f"; {plan.note.removeprefix('memory: ')}" if plan.note else ""))
     if not actor.shard.reshard_after_forward and all_reduce_max([float(plan is None)])[0]:
         actor.enable_reshard_after_forward()
-        plan, error = _measured_plan(actor, measure, *args)
+        actor.keep_logits_bytes = 0     # resharding is the last resort: nothing fit even without them
+        memo.clear()
+        plan, error = plan_with(0)
         if plan is not None:
             plan.reshard_after_forward = True
             plan.note = ("memory: turned --fsdp-reshard-after-forward on (no micro-batch budget fit with each "
