@@ -200,7 +200,7 @@ def test_graphs_survive_release_and_a_resized_cache():
                                         n=2) for i, p in enumerate(prompts)])
     first = run()
     captured = dict(eng.runner.graphs)
-    assert captured and eng.runner.stable, "stable KV memory unavailable: cuda.bindings missing?"
+    assert captured and eng.runner.cache_memory.stable, "stable KV memory unavailable: cuda.bindings missing?"
     free_before, kv_bytes = torch.cuda.mem_get_info()[0], eng.runner.kv_bytes
     eng.release()
     assert torch.cuda.mem_get_info()[0] >= free_before + 0.9 * kv_bytes   # the memory really went back
