@@ -176,9 +176,9 @@ def test_fp8_value_cache_is_zeroed_when_mapped():
                                                                                  ignore_eos=True)) for i in range(3)]
     first = eng.generate(reqs())
     eng.release()
-    if not eng.runner.stable:
+    if not eng.runner.cache_memory.stable:
         pytest.skip("no driver API: the cache is a fresh torch.zeros allocation each session")
-    v_buf = eng.runner.stable[1]
+    v_buf = eng.runner.cache_memory.stable[1]
     plain_map = v_buf.map
 
     def stale_map(nbytes):        # the next mapping comes back full of e4m3 NaN bytes (0x7F)
