@@ -89,9 +89,10 @@ def _build_parser() -> _Parser:
     b.add_argument("--fsdp-reshard-after-forward", action="store_true",
                    help="free each layer's gathered weights after its forward (saves one compute-dtype copy of "
                         "the model)")
-    b.add_argument("--offload-rollout-level", nargs="+", default=["kv_cache"], choices=("kv_cache", "weight"),
-                   help="weight: the engine's weights are given back while the trainer runs (its memory plan "
-                        "reserves none for them), as `furlong train --offload-rollout-level kv_cache weight`")
+    b.add_argument("--offload-rollout-level", nargs="+", default=["kv_cache", "weight"],
+                   choices=("kv_cache", "weight"),
+                   help="weight (the default, as furlong train's): the engine's weights are given back while the "
+                        "trainer runs (its memory plan reserves none for them); kv_cache alone keeps them")
     b.add_argument("--lora-rank", type=int, default=0, metavar="R", help="train LoRA adapters of rank R on all "
                    "linear layers (default: 0, full-parameter)")
     b.add_argument("--lora-alpha", type=float, default=16.0, metavar="A", help="LoRA alpha (default: 16)")

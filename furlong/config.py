@@ -82,10 +82,10 @@ class RolloutFlags:
                                  "~2x the tokens and faster long decodes; one scale per token and KV head)",
                                  aliases=["--sglang-kv-cache-dtype"])
     offload_rollout_level: list[str] = flag(
-        ["kv_cache"], "what the engine gives back while the trainer runs: kv_cache (always) and weight (its "
-        "weights too, written again by the weight update: for big models on one GPU)", nargs="+",
-        miles="the KV cache is always released; miles' default with --colocate is kv_cache weight, furlong's "
-              "kv_cache (the weights stay)")
+        ["kv_cache", "weight"], "what the engine gives back while the trainer runs: kv_cache (always) and weight "
+        "(its weights too, written again by the weight update, which writes them all anyway; `kv_cache` alone "
+        "keeps them resident)", nargs="+",
+        miles="the KV cache is always released; the default is miles' with --colocate")
     sglang_decode_log_interval: int | None = flag(None, "SGLang only", sglang=True)
     sglang_enable_metrics: bool = flag(False, "SGLang only", sglang=True)
 

@@ -104,9 +104,9 @@ def test_a_run_releases_the_weights_after_each_rollout_and_trains_the_same(tmp_p
     monkeypatch.setattr(Engine, "release_weights", lambda self: (events.append("release"), release(self))[1])
     monkeypatch.setattr(Engine, "restore_weights", lambda self: (
         events.append("restore") if self.runner.weights_released else None, restore(self))[1])
-    assert run_cli(_argv(a, tmp_path / "kept"), capsys)[0] == 0
+    assert run_cli(_argv(a, tmp_path / "kept", "--offload-rollout-level", "kv_cache"), capsys)[0] == 0
     assert events == []
-    assert run_cli(_argv(a, tmp_path / "freed", "--offload-rollout-level", "kv_cache", "weight"), capsys)[0] == 0
+    assert run_cli(_argv(a, tmp_path / "freed"), capsys)[0] == 0           # the default: released
     assert events == ["release", "restore"] * 4          # set-up's memory plan, then 3 rollouts
     metrics = [[json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
                for d in ("kept", "freed")]
@@ -129,7 +129,7 @@ def test_a_resumed_run_with_released_weights_syncs_once_and_continues_the_same(t
     kept them."""
     import furlong.trainer.weight_sync as weight_sync
     a = tiny_assets(tmp_path / "assets")
-    assert run_cli(_argv(a, tmp_path / "first", "--offload-rollout-level", "kv_cache", "weight"), capsys)[0] == 0
+    assert run_cli(_argv(a, tmp_path / "first"), capsys)[0] == 0
     syncs: list[str] = []
 
     def counted(*args, **kwargs):
@@ -138,7 +138,7 @@ def test_a_resumed_run_with_released_weights_syncs_once_and_continues_the_same(t
     monkeypatch.setattr(weight_sync, "sync_weights", counted)   # set-up's resume imports it when it runs
     monkeypatch.setattr(step, "sync_weights", counted)          # the weight update's
     lines = []
-    for name, extra in (("kept", ()), ("freed", ("--offload-rollout-level", "kv_cache", "weight"))):
+    for name, extra in (("kept", ("--offload-rollout-level", "kv_cache")), ("freed", ())):
         syncs.clear()
         resumed = [x if x != "3" else "4" for x in _argv(a, tmp_path / name, *extra)]
         assert run_cli([*resumed, "--load", str(tmp_path / "first" / "ck")], capsys)[0] == 0
