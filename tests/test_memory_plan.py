@@ -220,6 +220,8 @@ def test_when_nothing_fits_with_kept_logits_the_plan_recomputes_them_before_resh
                                measure=lambda modes: measure(modes) if again.shard.reshard_after_forward
                                else {m: _oom(m, 76.3) for m in modes})
     assert again.keep_logits_bytes == 0 and plan.reshard_after_forward and measured == [(False,), (True,)]
+    assert plan.note.startswith("memory: turned --fsdp-reshard-after-forward on and the LM head's logits "
+                                "recomputed in backward (no micro-batch budget fit")
 
 
 def test_out_of_memory_in_a_step_is_one_line_and_keeps_the_checkpoint(tmp_path, capsys, monkeypatch):

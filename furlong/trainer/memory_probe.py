@@ -206,8 +206,9 @@ def plan_trainer_memory(actor: Actor, requested_tokens: int | None, requested_re
         budget = MemoryBudget(total_bytes, reserved_bytes, pending + keep_bytes, static_bytes=static)
         return _measured_plan(actor, measured, budget, requested_tokens, requested_recompute, min_tokens)
 
-    plan, error = plan_with(actor.keep_logits_bytes)
-    if actor.keep_logits_bytes and all_reduce_max([float(plan is None)])[0]:
+    kept_logits = actor.keep_logits_bytes
+    plan, error = plan_with(kept_logits)
+    if kept_logits and all_reduce_max([float(plan is None)])[0]:
         # the logits kept for backward (a tenth of the GPU) go first: recomputing them costs one more LM-head
         # matmul per chunk, re-gathering every layer per micro-batch costs more (the probes ran without them)
         plan, error = plan_with(0)
@@ -222,8 +223,9 @@ def plan_trainer_memory(actor: Actor, requested_tokens: int | None, requested_re
         plan, error = plan_with(0)
         if plan is not None:
             plan.reshard_after_forward = True
-            plan.note = ("memory: turned --fsdp-reshard-after-forward on (no micro-batch budget fit with each "
-                         "layer's weights kept gathered across micro-batches)"
+            plan.note = ("memory: turned --fsdp-reshard-after-forward on"
+                         + (" and the LM head's logits recomputed in backward" if kept_logits else "")
+                         + " (no micro-batch budget fit with each layer's weights kept gathered across micro-batches)"
                          + (f"; {plan.note.removeprefix('memory: ')}" if plan.note else
                             f"; {plan.max_tokens_per_gpu} tokens per micro-batch, recompute "
                             f"{'on' if plan.gradient_checkpointing else 'off'}"))
