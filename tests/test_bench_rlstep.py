@@ -109,3 +109,16 @@ def test_rlstep_with_offload_weights_releases_the_engine_weights_for_each_train_
     steps = len(r["partial_step_s"]) + len(r["plain_step_s"])
     assert r["offload_weights"] is True
     assert calls["release_weights"] == steps and calls["restore_weights"] == steps
+
+
+def test_rlstep_without_offload_weights_keeps_them(tmp_path, monkeypatch):
+    """`--offload-rollout-level kv_cache` (not the default): the rlstep part's engine never releases."""
+    from furlong.engine import Engine
+    calls = []
+    monkeypatch.setattr(Engine, "release_weights", lambda self: calls.append("release"))
+    out = tmp_path / "bench.json"
+    assert bench.run_bench(str(write(tmp_path, tiny_workload(max_tokens_per_gpu=200))), str(out), "rlstep",
+                           offload_weights=False) == 0
+    rep = json.loads(out.read_text())["parts"]["rlstep"]
+    assert rep["status"] == "ok", rep["error"]
+    assert rep["result"]["offload_weights"] is False and calls == []

@@ -76,8 +76,8 @@ class Bench:
         cfg.rollout.rollout_temperature, cfg.rollout.rollout_top_p = w.temperature, w.top_p
         cfg.rollout.rollout_top_k = w.top_k
         cfg.rollout.rollout_max_response_len = max(w.response_lens)
-        if self.offload_weights:   # the rlstep part's engine gives its weights back while the actor trains
-            cfg.rollout.offload_rollout_level = ["kv_cache", "weight"]
+        # the rlstep part's engine: its weights given back while the actor trains, or kept
+        cfg.rollout.offload_rollout_level = ["kv_cache", "weight"] if self.offload_weights else ["kv_cache"]
         cfg.algo.eps_clip, cfg.algo.eps_clip_high = w.eps_clip, w.eps_clip_high
         o = cfg.optim
         o.optimizer, o.lr, o.weight_decay, o.adam_beta1, o.adam_beta2 = (w.optimizer, w.lr, w.weight_decay,
@@ -107,7 +107,8 @@ class Bench:
             self._actor = Actor(self.random_model(), actor_config(cfg), self.ctx)
             if self.device.type == "cuda" and self.w.use_dynamic_batch_size:
                 # run set-up's memory plan: the workload's budget, recompute on or the budget lowered when
-                # it would not fit (a bigger model with the seed's flags), with the engine's weights resident unless released
+                # it would not fit (a bigger model with the seed's flags), the engine's weights reserved
+                # unless released
                 from furlong.trainer.memory_probe import plan_trainer_memory
                 reserved = self.engine_reserved_bytes()
                 self.plan = plan_trainer_memory(self._actor, self.w.max_tokens_per_gpu, False,

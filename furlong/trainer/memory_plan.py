@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     import torch
 
 GRANULE = 1024          # budgets are multiples of this many tokens
-SAFETY_FRACTION = 0.15  # of total device memory kept free for fragmentation and the allocator
+SAFETY_FRACTION = 0.15  # of the device memory beside the weights, kept free for fragmentation and the allocator
 
 
 class MemoryPlanError(ValueError):
