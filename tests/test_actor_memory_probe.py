@@ -1,6 +1,6 @@
-"""The actor's memory probe: choose_max_tokens' arithmetic, the CPU default budget and the
-probe's measurement through the actor's own loss (CUDA counters stood in for), and on a GPU
-a probed budget that trains. Runs in this pytest process on a one-rank gloo group."""
+"""The actor's memory probe: the CPU default budget for `auto` and the probe's measurement through the
+actor's own loss (CUDA counters stood in for), and on a GPU a planned `auto` budget that trains (the
+plan's arithmetic: test_memory_plan.py). Runs in this pytest process on a one-rank gloo group."""
 from __future__ import annotations
 
 import math
@@ -18,32 +18,18 @@ from furlong.config_map import actor_config, batching_config, run_config  # noqa
 from furlong.launch.distributed import init_distributed  # noqa: E402
 from furlong.models.hf_io import load_pretrained  # noqa: E402
 from furlong.trainer.actor import Actor  # noqa: E402
-from furlong.trainer.memory_probe import CPU_DEFAULT_TOKENS, ProbeMeasurement, choose_max_tokens, probe_max_tokens  # noqa: E402
+from furlong.trainer.memory_probe import CPU_DEFAULT_TOKENS, plan_trainer_memory  # noqa: E402
 
 
-def test_choose_max_tokens():
-    gib = 2**30
-    # 10 GiB static, 1 MiB per token (affine), 100 GiB device, 15% margin, 5 GiB engine weights
-    m = ProbeMeasurement(4096, 10 * gib + 4096 * 2**20, 8192, 10 * gib + 8192 * 2**20, pending_bytes=2 * gib)
-    got = choose_max_tokens(m, total_bytes=100 * gib, reserved_bytes=5 * gib)
-    # budget 85 - 5 - 10 - 2 = 68 GiB -> 68 * 1024 tokens
-    assert got == 68 * 1024
-    assert choose_max_tokens(m, total_bytes=100 * gib, reserved_bytes=5 * gib, safety_fraction=0.5) == 33 * 1024
-    # nothing fits: the floor is one granule
-    assert choose_max_tokens(m, total_bytes=12 * gib) == 1024
-    with pytest.raises(ValueError):
-        choose_max_tokens(ProbeMeasurement(4096, 1, 4096, 2, 0), total_bytes=gib)
-
-
-def test_probe_on_cpu_returns_default(tiny_ckpt, caplog):
+def test_probe_on_cpu_returns_default(tiny_ckpt):
     """The probe's budget is a value the run puts into its config (RunConfig.with_max_tokens)."""
     cfg = tiny_config(use_dynamic_batch_size=True, max_tokens_per_gpu="auto")
     actor = Actor(load_pretrained(tiny_ckpt), actor_config(cfg), init_distributed("cpu"))
     with pytest.raises(ValueError, match="--max-tokens-per-gpu"):
         actor.train_step(synthetic_samples([8, 9]), batching_config(cfg))
-    with caplog.at_level("INFO"):
-        budget = probe_max_tokens(actor)
-    assert budget == CPU_DEFAULT_TOKENS and "default budget" in caplog.text
+    plan = plan_trainer_memory(actor, None, False, min_tokens=9)
+    budget = plan.max_tokens_per_gpu
+    assert budget == CPU_DEFAULT_TOKENS and "default budget" in plan.note and not plan.gradient_checkpointing
     config = run_config(cfg)
     assert config.steps.max_tokens_per_gpu is None and config.with_max_tokens(budget).steps.max_tokens_per_gpu == budget
     steps = config.with_max_tokens(budget).steps
@@ -56,7 +42,9 @@ def test_probe_on_gpu_fits(tiny_ckpt):
     """The probed budget is a multiple of 1024 and a micro-batch of that size trains."""
     cfg = tiny_config(use_dynamic_batch_size=True, max_tokens_per_gpu="auto")
     actor = Actor(load_pretrained(tiny_ckpt), actor_config(cfg), init_distributed("cuda"))
-    budget = probe_max_tokens(actor)
+    plan = plan_trainer_memory(actor, None, False, min_tokens=1024)
+    budget = plan.max_tokens_per_gpu
+    actor.model.gradient_checkpointing = plan.gradient_checkpointing
     assert budget % 1024 == 0 and budget >= 1024
     n = min(budget, 65536)
     m = actor.train_step(synthetic_samples([n // 2, n // 2]), run_config(cfg).with_max_tokens(budget).steps)

@@ -80,7 +80,9 @@ def test_all_parts_run_and_agree_with_the_workload(tmp_path, capsys):
     assert tr["log_probs_peak_gib"] is None              # no memory stats on CPU
     assert len(tr["train_step_s_all"]) == 3 and tr["train_step_s"] == sorted(tr["train_step_s_all"])[1]
 
-    rows = parts["budget"]["result"]["rows"]
+    budget = parts["budget"]["result"]
+    assert budget["auto_max_tokens"] == 16384 and "default budget" in budget["auto_note"]   # the plan's, on CPU
+    rows = budget["rows"]
     assert [r["max_tokens_per_gpu"] for r in rows] == [20, 1000]
     assert [r["num_micro_batches"] for r in rows] == [len(plan_micro_batches(lengths, 20)), 1]
     assert all(r["train_status"] == "ok" and r["log_probs_status"] == "ok" for r in rows)

@@ -69,7 +69,7 @@ class BudgetRow:
 @dataclass
 class BudgetResult:
     rows: list[BudgetRow]
-    auto_max_tokens: int | None      # memory_probe's choice for --max-tokens-per-gpu auto
+    auto_max_tokens: int | None      # the memory plan's choice for --max-tokens-per-gpu auto
     auto_note: str
 
 

@@ -122,13 +122,13 @@ def _guarded_measure(fn: Callable[[], Any], dev: torch.device, actor: Any
 
 
 def _auto_budget(b: Bench) -> tuple[int | None, str]:
-    """memory_probe's budget, with the engine's weights reserved as in a colocated run (unless released)."""
-    try:
-        from furlong.trainer.memory_probe import probe_max_tokens
-    except ImportError as e:
-        return None, f"memory_probe unavailable: {e!r}"
+    """The budget run set-up's memory plan picks for --max-tokens-per-gpu auto, the engine's weights
+    reserved as in a colocated run (unless released)."""
+    from furlong.trainer.memory_probe import plan_trainer_memory
     reserved = b.engine_reserved_bytes()
-    return probe_max_tokens(b.actor(), reserved_bytes=reserved), f"engine weights reserved: {reserved / 2**30:.2f} GiB"
+    plan = plan_trainer_memory(b.actor(), None, False, min_tokens=max(b.w.sample_lengths()), reserved_bytes=reserved)
+    return plan.max_tokens_per_gpu, (f"recompute {'on' if plan.gradient_checkpointing else 'off'}, engine weights "
+                                     f"reserved: {reserved / 2**30:.2f} GiB" + (f"; {plan.note}" if plan.note else ""))
 
 
 def part_budget(b: Bench) -> BudgetResult:

@@ -1,31 +1,21 @@
-"""`--max-tokens-per-gpu auto`: pick the micro-batch token budget from measured memory (docs/design.md §5).
+"""The memory probes behind the trainer's memory plan (memory_plan.py; docs/design.md §5).
 
-On CUDA, with the model sharded and idle, two probe micro-batches (PROBE_TOKENS
-and 2x that) each run the training path (forward_packed -> chunked log-probs
-with entropy -> loss -> backward) and the no-grad log-prob forward, and we read
-torch.cuda.max_memory_allocated for each. Peak memory is affine in the token
-count, so two points give the slope (bytes per token) and the intercept; the
-intercept is raised by the AdamW state (2 fp32 tensors per local parameter)
-when the optimizer has not allocated it yet, and by the LM-head logits a training forward keeps
-for its backward (actor.keep_logits_bytes): they grow with the tokens only up to that cap, so the
-probes run without them and the whole cap counts as fixed memory. The budget is the largest
-multiple of 1024 tokens whose predicted peak stays under
+On CUDA, with the model sharded and idle, two probe micro-batches (PROBE_TOKENS and 2x that) each run
+the training path (forward_packed -> chunked log-probs with entropy -> loss -> backward) and the no-grad
+log-prob forward, in each recompute mode asked for, and we read torch.cuda.max_memory_allocated and the
+time of each. Peak memory is affine in the token count, so two points give the slope (bytes per token)
+and the intercept; the plan raises the intercept by the AdamW state (2 fp32 tensors per local
+parameter) when the optimizer has not allocated it yet, and by the LM-head logits a training forward
+keeps for its backward (actor.keep_logits_bytes): they grow with the tokens only up to that cap, so the
+probes run without them and the whole cap counts as fixed memory. plan_trainer_memory turns these into
+the run's budget and recompute mode (with `auto` or a given --max-tokens-per-gpu), and when nothing
+fits, drops the kept logits, then reshards after forward and probes again.
 
-    total * (1 - SAFETY_FRACTION) - reserved_bytes
-
-where reserved_bytes is what stays allocated outside the trainer during
-training (the rollout engine's weights; its KV cache is released). Deviation:
-allocator fragmentation is not modelled; the 15% margin is meant to absorb it (the run's
-plan, plan_trainer_memory, takes no margin of the weights allocated before its probes).
-
-On CPU there is nothing to measure: CPU_DEFAULT_TOKENS is returned (logged).
-`choose_max_tokens` is the pure decision, unit-tested on CPU.
+On CPU there is nothing to measure: the given budget, or CPU_DEFAULT_TOKENS for `auto` (with a line).
 """
 from __future__ import annotations
 
-import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -33,40 +23,15 @@ import torch
 from furlong.trainer.batching import move_micro_batch, pack_micro_batch, response_positions, to_device
 from furlong.launch.distributed import all_reduce_max
 from furlong.trainer.fsdp import reshard_all
-from furlong.trainer.memory_plan import (GRANULE, SAFETY_FRACTION, MemoryBudget, MemoryPlan,
-                                         MemoryPlanError, ModeProbe, largest_fit, memory_flags_off,
+from furlong.trainer.memory_plan import (MemoryBudget, MemoryPlan, MemoryPlanError, ModeProbe, memory_flags_off,
                                          plan_memory)
 from furlong.types import TrainSample
 
 if TYPE_CHECKING:
     from furlong.trainer.actor import Actor
 
-log = logging.getLogger(__name__)
-
 PROBE_TOKENS = 4096
 CPU_DEFAULT_TOKENS = 16384
-
-
-@dataclass
-class ProbeMeasurement:
-    """Peak bytes (max_memory_allocated) at two probe sizes, plus what is not yet allocated."""
-    num_tokens_small: int         # tokens of the first probe
-    peak_bytes_small: int         # peak while running it
-    num_tokens_large: int
-    peak_bytes_large: int
-    pending_bytes: int            # state that will exist later (AdamW moments before the first step)
-
-
-def choose_max_tokens(m: ProbeMeasurement, total_bytes: int, reserved_bytes: int = 0,
-                      safety_fraction: float = SAFETY_FRACTION, granule: int = GRANULE) -> int:
-    """Largest multiple of `granule` tokens whose predicted peak fits the budget (>= granule)."""
-    if m.num_tokens_large <= m.num_tokens_small:
-        raise ValueError("choose_max_tokens: the second probe must be larger than the first")
-    probe = ModeProbe(False, (m.num_tokens_small, m.num_tokens_large), (m.peak_bytes_small, m.peak_bytes_large),
-                      (0.0, 0.0))
-    # memory_plan's arithmetic, with a floor of one granule where nothing fits
-    return max(granule, largest_fit(probe, MemoryBudget(total_bytes, reserved_bytes, m.pending_bytes, safety_fraction),
-                                    granule))
 
 
 def _probe_batch(num_tokens: int, vocab_size: int, device: torch.device):
@@ -96,33 +61,6 @@ def _measure(actor: Actor, num_tokens: int) -> int:
     peak = torch.cuda.max_memory_allocated()
     actor.optimizer.zero_grad(set_to_none=True)
     return int(peak)
-
-
-def probe_max_tokens(actor: Actor, reserved_bytes: int = 0) -> int:
-    """The budget: measured on this rank, the smallest over ranks (every rank calls). The caller puts
-    it into the run's BatchingConfig (RunConfig.with_max_tokens)."""
-    if actor.ctx.device.type != "cuda":
-        log.info("--max-tokens-per-gpu auto: CPU run, using the default budget of %d tokens", CPU_DEFAULT_TOKENS)
-        return CPU_DEFAULT_TOKENS
-    has_state = any(len(s) > 0 for s in actor.optimizer.state.values())
-    pending = 0 if has_state else sum(2 * p.to_local().numel() * 4 if hasattr(p, "to_local") else 2 * p.numel() * 4
-                                      for p in actor.model.parameters() if p.requires_grad)
-    keep, actor.keep_logits_bytes = actor.keep_logits_bytes, 0   # module docstring
-    small, large = PROBE_TOKENS, 2 * PROBE_TOKENS
-    try:
-        m = ProbeMeasurement(small, _measure(actor, small), large, _measure(actor, large), pending + keep)
-    finally:
-        actor.keep_logits_bytes = keep
-    total = torch.cuda.get_device_properties(actor.ctx.device).total_memory
-    tokens = choose_max_tokens(m, total, reserved_bytes)
-    # one collective: every rank must plan with the same budget; take the tightest
-    tokens = int(-all_reduce_max([-tokens])[0])
-    log.info("--max-tokens-per-gpu auto: %d tokens (peak %.2f GiB at %d tokens, %.2f GiB at %d; "
-             "%.1f KiB/token; total %.1f GiB, reserved %.2f GiB, margin %.0f%%)", tokens,
-             m.peak_bytes_small / 2**30, small, m.peak_bytes_large / 2**30, large,
-             (m.peak_bytes_large - m.peak_bytes_small) / (large - small) / 1024, total / 2**30,
-             reserved_bytes / 2**30, SAFETY_FRACTION * 100)
-    return tokens
 
 
 # ------------------------------------------------------------------------ the memory plan (memory_plan.py)

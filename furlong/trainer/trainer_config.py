@@ -67,7 +67,7 @@ class BatchingConfig:
         """Rank split and, per rank, micro-batches as indices into `lengths` (the same on every rank)."""
         if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
             raise ValueError("--max-tokens-per-gpu: auto budget not probed yet "
-                             "(memory_probe.probe_max_tokens, then RunConfig.with_max_tokens)")
+                             "(memory_probe.plan_trainer_memory, then RunConfig.with_max_tokens)")
         return rank_micro_batches(lengths, world_size, self.max_tokens_per_gpu if self.use_dynamic_batch_size else None,
                                   self.micro_batch_size)
 
