@@ -180,6 +180,40 @@ def test_the_margin_is_not_taken_of_the_weights_held_before_the_probes():
     assert MemoryBudget(80 * GiB, 2 * GiB, 0, static_bytes=30 * GiB).usable_bytes == pytest.approx(70.5 * GiB)
 
 
+def test_the_plan_takes_the_weights_held_before_its_probes_as_static(tmp_path, monkeypatch):
+    """On CUDA the plan reads the device's memory and what is allocated before its probes (stood in for
+    here): 30 of 80 GiB held leaves 72.5 GiB usable, where 68 would refuse a 69 GiB fixed peak (recompute,
+    ~0.9 MiB a token: 3072 tokens fit)."""
+    import sys
+    import types
+    from pathlib import Path
+
+    import torch
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_actor import tiny_config  # noqa: E402
+    from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
+
+    from furlong.config_map import actor_config
+    from furlong.launch.distributed import init_distributed
+    from furlong.models.hf_io import load_pretrained
+    from furlong.trainer.actor import Actor
+    from furlong.trainer.memory_probe import plan_trainer_memory
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", vocab_size=128, hidden=32, layers=2, heads=2, kv_heads=1)
+    actor = Actor(load_pretrained(ckpt), actor_config(tiny_config(use_dynamic_batch_size=True)),
+                  init_distributed("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=80 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 30 * GiB)
+    plan = plan_trainer_memory(actor, 32768, False, min_tokens=1200, measure=lambda modes: {
+        m: probes(fixed_gib=69)[m] for m in modes})
+    assert plan.gradient_checkpointing and plan.max_tokens_per_gpu == 3072 and not plan.reshard_after_forward
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 0)      # nothing held: the old margin
+    again = Actor(load_pretrained(ckpt), actor_config(tiny_config(use_dynamic_batch_size=True)),
+                  init_distributed("cpu"))
+    with pytest.raises(MemoryPlanError):
+        plan_trainer_memory(again, 32768, False, min_tokens=1200, measure=lambda modes: {
+            m: probes(fixed_gib=69)[m] for m in modes})
+
+
 def test_when_nothing_fits_with_kept_logits_the_plan_recomputes_them_before_resharding(tmp_path):
     """The LM head's logits kept for backward (a tenth of the GPU) are the first thing the plan gives up,
     from the probes it already has (they ran without them); the actor then keeps none, and nothing is
