@@ -84,8 +84,13 @@ def _metavar(f: dataclasses.Field, base: str) -> str:
 
 def _help(f: dataclasses.Field) -> str:
     help_ = f.metadata.get("help", "")
-    default = f.default if f.default is not dataclasses.MISSING else None
-    if default not in (None, False, "", []):
+    default = (f.default if f.default is not dataclasses.MISSING
+               else f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+    if isinstance(default, (dict, list)) and not default:
+        default = None
+    elif isinstance(default, list):   # as typed on the command line (nargs="+")
+        default = " ".join(map(str, default))
+    if default not in (None, False, ""):
         help_ += f" (default: {default})"
     return help_
 

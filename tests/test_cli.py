@@ -262,6 +262,8 @@ def test_train_help_shows_defaults_metavars_and_groups():
     out = p.stdout
     assert "--hf-checkpoint PATH" in out and "--rollout-batch-size N" in out and "--lr X" in out
     assert "(default: 1024)" in out and "furlong sft only:" not in out   # train's flags only
+    # a list default as it is typed (default_factory fields were shown without one)
+    assert "(default: kv_cache weight)" in " ".join(out.split())
     assert "DATA.HF_CHECKPOINT" not in out
 
 
