@@ -63,3 +63,22 @@ def test_probe_measurement_runs_the_actor_loss_on_cpu(tiny_ckpt, monkeypatch):
     actor = Actor(load_pretrained(tiny_ckpt), actor_config(cfg), init_distributed("cpu"))
     assert memory_probe._measure(actor, 64) == 12345
     assert all(p.grad is None for p in actor.model.parameters())   # the probe leaves no gradients behind
+
+
+def test_timed_probe_measures_with_gradients_held(tiny_ckpt, monkeypatch):
+    """The measured probe run starts with every trained parameter's gradient held (as a step's later
+    micro-batches run their forward), and frees them after: a probe measured without them planned an
+    8B step that ran out of memory in its second micro-batch's forward."""
+    from furlong.trainer import memory_probe
+    cfg = tiny_config(use_dynamic_batch_size=True, max_tokens_per_gpu="auto")
+    actor = Actor(load_pretrained(tiny_ckpt), actor_config(cfg), init_distributed("cpu"))
+    trained = [p for p in actor.model.parameters() if p.requires_grad]
+    held_at_reset = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda *a, **k: held_at_reset.append(all(p.grad is not None for p in trained)))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 777)
+    peak, seconds = memory_probe._timed_probe(actor, 64)
+    assert peak == 777 and seconds >= 0
+    assert held_at_reset == [False, True]     # warm-up from none; the measured run with the warm-up's held
+    assert all(p.grad is None for p in trained)

@@ -3,7 +3,10 @@
 On CUDA, with the model sharded and idle, two probe micro-batches (PROBE_TOKENS and 2x that) each run
 the training path (forward_packed -> chunked log-probs with entropy -> loss -> backward) and the no-grad
 log-prob forward, in each recompute mode asked for, and we read torch.cuda.max_memory_allocated and the
-time of each. Peak memory is affine in the token count, so two points give the slope (bytes per token)
+time of each. Each measured run follows a warm-up run whose gradients it keeps: every micro-batch of a
+step after the first runs its forward with the whole step's gradients held (fp32, 4 bytes per trained
+parameter), and a probe without them measured a peak short by up to the smaller of the gradients and
+the activations (Qwen3-8B: a first step ran out of memory 3+ GiB above the planned peak). Peak memory is affine in the token count, so two points give the slope (bytes per token)
 and the intercept; the plan raises the intercept by the AdamW state (2 fp32 tensors per local
 parameter) when the optimizer has not allocated it yet, and by the LM-head logits a training forward
 keeps for its backward (actor.keep_logits_bytes): they grow with the tokens only up to that cap, so the
@@ -44,8 +47,9 @@ def _probe_batch(num_tokens: int, vocab_size: int, device: torch.device):
     return move_micro_batch(pack_micro_batch([sample], [torch.full((r,), 1.0 / r)], [0]), device), [(0, r)]
 
 
-def _measure(actor: Actor, num_tokens: int) -> int:
-    """Peak bytes of one training micro-batch and one log-prob forward of `num_tokens` tokens."""
+def _measure(actor: Actor, num_tokens: int, keep_grads: bool = False) -> int:
+    """Peak bytes of one training micro-batch and one log-prob forward of `num_tokens` tokens (gradients
+    already held stay and accumulate; keep_grads: leave this run's gradients held, else free them all)."""
     vocab = actor.model.output_weight.shape[0]
     mb, slices = _probe_batch(num_tokens, vocab, actor.ctx.device)
     torch.cuda.synchronize()
@@ -59,7 +63,8 @@ def _measure(actor: Actor, num_tokens: int) -> int:
     reshard_all(actor.model)   # a no-grad forward leaves the gathered weights (fsdp.py)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
-    actor.optimizer.zero_grad(set_to_none=True)
+    if not keep_grads:
+        actor.optimizer.zero_grad(set_to_none=True)
     return int(peak)
 
 
@@ -67,8 +72,9 @@ def _measure(actor: Actor, num_tokens: int) -> int:
 
 def _timed_probe(actor: Actor, num_tokens: int) -> tuple[int, float]:
     """(peak bytes, seconds) of one training micro-batch of `num_tokens`, after an untimed run of it
-    (kernels and compiled graphs warm; a first call's compile would swamp the time)."""
-    _measure(actor, num_tokens)
+    (kernels and compiled graphs warm; a first call's compile would swamp the time) whose gradients it
+    accumulates into, as a step's later micro-batches do (module docstring)."""
+    _measure(actor, num_tokens, keep_grads=True)
     torch.cuda.synchronize()
     t = time.perf_counter()
     peak = _measure(actor, num_tokens)
