@@ -2,14 +2,14 @@
 # The device measurements still owed by the open issues, batched into device calls
 # whose pieces' timeouts add up to <= 560 s, most important first (a session's 30 device minutes hold
 # about three, fewer when starts fail):
-#   bash bench/pending_device.sh call0|call1|call2|call3
-# call0  Qwen3-8B full-parameter with --optimizer-cpu-offload (issue 20: trains, step time; never trained: on an
-#        H100 the plan refused it, BENCHMARKS.md, and its allowances have changed since: kept logits dropped
-#        first, no margin on the weights), with the engine's weights released (now the default): the actor,
-#        its memory plan and 3 train steps printed as each ends (bench/train_steps.py; the bench's train part
-#        outlasts a call at this size), then the bench's train part on what time is left
-# call1  the engine's, the weight release's and the offloaded reference's GPU tests (two failed reads of a
-#        moved attribute fixed since their last run)
+#   bash bench/pending_device.sh call0|h200|call1|call2|call3
+# call0  Qwen3-8B full-parameter with --optimizer-cpu-offload (issue 20: trains, step time), on an H200 only (on
+#        an H100 the plan refuses it: fp32 weights, gradients and a micro-batch's transients need 75 GiB of 72
+#        usable, BENCHMARKS.md), with the engine's weights released (the default): the actor, its memory plan
+#        and 3 train steps printed as each ends (bench/train_steps.py; the bench's train part outlasts a call
+#        at this size), then the bench's train part on what time is left
+# h200   on an H200, the two owed measurements that fit one call: call0's train steps, then call2's split
+# call1  the engine's, the weight release's and the offloaded reference's GPU tests (63 passed on an H100, session 22)
 # call2  the long rollout with fp8 and bf16 KV on one card (issue 21: <= 40 s; on an H200, the issue's own
 #        card, these have not run since fp8's V became dim-major and its kernel 1-warp), each split into
 #        fixed, per-row and attention costs (bench/rollout_time_split.py); the decode probe with both, the
@@ -31,6 +31,13 @@ call0)
         --steps 3 >"$OUT/train_steps_8b.log" 2>&1; echo "== 8B train steps: exit $?"
     grep -E "memory plan|train_steps|Error" "$OUT/train_steps_8b.log" | tail -6
     SECS_8B=240 bash bench/bigger_models.sh 8b-optoff-free ;;
+h200)
+    timeout -k 10 260 python3 bench/train_steps.py --workload bench/qwen3_8b_workload.json --optimizer-cpu-offload \
+        --steps 3 >"$OUT/train_steps_8b.log" 2>&1; echo "== 8B train steps: exit $?"
+    grep -E "memory plan|train_steps|Error" "$OUT/train_steps_8b.log" | tail -6
+    timeout -k 10 300 python3 bench/rollout_time_split.py --workload bench/long_workload.json \
+        --kv-dtype fp8_e4m3,bf16 --out "$OUT" >"$OUT/rollout_time_split.log" 2>&1
+    echo "== rollout time split: exit $?"; grep -E "s = fixed|\(steady|warm-up rollout|Error" "$OUT/rollout_time_split.log" ;;
 call1)
     timeout -k 10 220 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging --timeout=90 \
         tests/test_weight_offload_gpu.py tests/test_offload_gpu.py tests/test_engine_gpu.py tests/test_kv_fp8_gpu.py \
@@ -56,5 +63,5 @@ call3)
         python3 -c "import json, sys; g = json.load(open(sys.argv[1]))['rollout_logprob_abs_diff']; \
 print('mean |trainer - engine| log-prob', round(sum(v for _, v in g) / max(1, len(g)), 5))" "$OUT/demo_${v}_evals.json"
     done ;;
-*) echo "usage: bash bench/pending_device.sh call0|call1|call2|call3"; exit 2 ;;
+*) echo "usage: bash bench/pending_device.sh call0|h200|call1|call2|call3"; exit 2 ;;
 esac
