@@ -97,7 +97,7 @@ def test_trainer_plan_with_injected_probes_on_cpu(tmp_path):
     ckpt = write_tiny_checkpoint(tmp_path / "ckpt", vocab_size=128, hidden=32, layers=2, heads=2, kv_heads=1)
     actor = Actor(load_pretrained(ckpt), actor_config(tiny_config(use_dynamic_batch_size=True)), init_distributed("cpu"))
     assert plan_trainer_memory(actor, 4096, False, min_tokens=100).note is None   # CPU, nothing measured
-    plan = plan_trainer_memory(actor, 32768, False, min_tokens=1200, measure=lambda modes: probes(intercept_s=0.5),
+    plan = plan_trainer_memory(actor, 32768, False, min_tokens=1200, measure=lambda modes, sizes: probes(intercept_s=0.5),
                                total_bytes=140 * GiB, reserved_bytes=8 * GiB)
     assert plan.gradient_checkpointing and plan.max_tokens_per_gpu == 32768
     assert "turned --gradient-checkpointing on" in plan.note and not plan.reshard_after_forward
@@ -129,7 +129,7 @@ def test_when_nothing_fits_with_gathered_weights_the_plan_reshards_after_forward
     actor = Actor(load_pretrained(ckpt), actor_config(cfg), init_distributed("cpu"))
     measured = []
 
-    def measure(modes):
+    def measure(modes, sizes):
         measured.append((modes, actor.shard.reshard_after_forward))
         return {m: _oom(m, 76.3) if not actor.shard.reshard_after_forward else probes()[m] for m in modes}
 
@@ -160,16 +160,17 @@ def test_when_nothing_fits_with_gathered_weights_the_plan_reshards_after_forward
     again = Actor(load_pretrained(ckpt), actor_config(cfg), init_distributed("cpu"))
     with pytest.raises(MemoryPlanError) as e:
         plan_trainer_memory(again, 32768, False, min_tokens=1200, total_bytes=140 * GiB,
-                            measure=lambda modes: {m: _oom(m, 76.3) for m in modes})
+                            measure=lambda modes, sizes: {m: _oom(m, 76.3) for m in modes})
     msg = str(e.value)
-    assert "\n" not in msg and msg.endswith("(measured again with --fsdp-reshard-after-forward turned on)")
+    assert "\n" not in msg and msg.endswith("(measured again with --fsdp-reshard-after-forward turned on and with "
+                                             "1024- and 2048-token probes)")
     assert "add --lora-rank or --fsdp-cpu-offload, or use more GPUs" in msg and "reshard-after-forward (frees" not in msg
     # with the engine's weights resident (reserved), releasing them is named too
     with pytest.raises(MemoryPlanError, match=r"add --offload-rollout-level kv_cache weight \(frees the engine's "
                                               r"weights while the trainer runs\), --lora-rank or --fsdp-cpu-offload"):
         plan_trainer_memory(Actor(load_pretrained(ckpt), actor_config(cfg), init_distributed("cpu")), 32768, False,
                             min_tokens=1200, total_bytes=140 * GiB, reserved_bytes=8 * GiB,
-                            measure=lambda modes: {m: _oom(m, 76.3) for m in modes})
+                            measure=lambda modes, sizes: {m: _oom(m, 76.3) for m in modes})
 
 
 def test_the_margin_is_not_taken_of_the_weights_held_before_the_probes():
@@ -203,14 +204,14 @@ def test_the_plan_takes_the_weights_held_before_its_probes_as_static(tmp_path, m
                   init_distributed("cpu"))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=80 * GiB))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 30 * GiB)
-    plan = plan_trainer_memory(actor, 32768, False, min_tokens=1200, measure=lambda modes: {
+    plan = plan_trainer_memory(actor, 32768, False, min_tokens=1200, measure=lambda modes, sizes: {
         m: probes(fixed_gib=69)[m] for m in modes})
     assert plan.gradient_checkpointing and plan.max_tokens_per_gpu == 3072 and not plan.reshard_after_forward
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 0)      # nothing held: the old margin
     again = Actor(load_pretrained(ckpt), actor_config(tiny_config(use_dynamic_batch_size=True)),
                   init_distributed("cpu"))
     with pytest.raises(MemoryPlanError):
-        plan_trainer_memory(again, 32768, False, min_tokens=1200, measure=lambda modes: {
+        plan_trainer_memory(again, 32768, False, min_tokens=1200, measure=lambda modes, sizes: {
             m: probes(fixed_gib=69)[m] for m in modes})
 
 
@@ -235,7 +236,7 @@ def test_when_nothing_fits_with_kept_logits_the_plan_recomputes_them_before_resh
     actor.keep_logits_bytes = 20 * GiB
     measured = []
 
-    def measure(modes):
+    def measure(modes, sizes):
         measured.append(modes)
         return {m: probes(fixed_gib=60)[m] for m in modes}
 
@@ -251,11 +252,12 @@ def test_when_nothing_fits_with_kept_logits_the_plan_recomputes_them_before_resh
     again.keep_logits_bytes = 20 * GiB
     measured.clear()
     plan = plan_trainer_memory(again, 32768, False, min_tokens=1200, total_bytes=80 * GiB,
-                               measure=lambda modes: measure(modes) if again.shard.reshard_after_forward
+                               measure=lambda modes, sizes: measure(modes, sizes) if again.shard.reshard_after_forward
                                else {m: _oom(m, 76.3) for m in modes})
     assert again.keep_logits_bytes == 0 and plan.reshard_after_forward and measured == [(False,), (True,)]
-    assert plan.note.startswith("memory: turned --fsdp-reshard-after-forward on and the LM head's logits "
-                                "recomputed in backward (no micro-batch budget fit")
+    assert plan.note.startswith("memory: the LM head's logits recomputed in backward, not kept (no micro-batch "
+                                "budget fit with them kept); turned --fsdp-reshard-after-forward on (no micro-batch "
+                                "budget fit")
 
 
 def test_out_of_memory_in_a_step_is_one_line_and_keeps_the_checkpoint(tmp_path, capsys, monkeypatch):
@@ -437,3 +439,56 @@ def test_after_a_probe_runs_out_of_memory_the_actor_still_trains(tmp_path, monke
     assert out[False].out_of_memory and not out[True].out_of_memory
     assert out[True].peak_bytes == (3 * GiB, 3 * GiB) and ran[0] is False and True in ran
     assert all(p.grad is None for p in actor.model.parameters())
+
+
+def test_no_granule_multiple_fits_but_the_longest_sample_does():
+    """A budget of exactly the longest sample (1173 tokens) when 1024 is too short for it and 2048 does not
+    fit: trained, not refused."""
+    p = ModeProbe(True, (1024, 2048), (int(70 * GiB), int(71 * GiB)), (0.1, 0.2))   # 1 MiB a token
+    budget = MemoryBudget(total_bytes=int(70.5 * GiB), reserved_bytes=0, pending_bytes=0, safety_fraction=0.0)
+    plan = plan_memory({False: _oom(False, 70), True: p}, budget, 32768, False, min_tokens=1173)
+    assert (plan.max_tokens_per_gpu, plan.gradient_checkpointing) == (1173, True)
+    with pytest.raises(MemoryPlanError):                                         # 1600 tokens: 70.56 GiB
+        plan_memory({False: _oom(False, 70), True: p}, budget, 32768, False, min_tokens=1600)
+
+
+def test_when_nothing_fits_and_samples_are_short_the_plan_probes_below_the_lm_head_chunk(tmp_path):
+    """Qwen3-8B full-parameter on an 80 GB card: the 4096/8192-token probes' line, flat in the LM head's
+    chunk buffers, refuses the 1173-token longest sample; probes at 1024 and 2048 tokens measure the
+    chunk shrinking and the plan fits. Longest samples of 4096 tokens or more are not probed again."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_actor import tiny_config  # noqa: E402
+    from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
+
+    from furlong.config_map import actor_config
+    from furlong.launch.distributed import init_distributed
+    from furlong.models.hf_io import load_pretrained
+    from furlong.trainer.actor import Actor
+    from furlong.trainer.memory_probe import plan_trainer_memory
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", vocab_size=128, hidden=32, layers=2, heads=2, kv_heads=1)
+    cfg = actor_config(tiny_config(use_dynamic_batch_size=True))
+    calls = []
+
+    def measure(modes, sizes):   # ~3 GiB of chunk buffers at 4096 tokens, 1.2 MiB a token below it
+        calls.append((modes, sizes))
+        chunk = lambda n: min(n, 4096) * 0.75 * 2**20   # noqa: E731
+        return {m: ModeProbe(m, sizes, tuple(int(62 * GiB + chunk(n) + n * 0.4 * 2**20) for n in sizes),
+                             (0.1, 0.2)) for m in modes}
+
+    actor = Actor(load_pretrained(ckpt), cfg, init_distributed("cpu"))
+    actor.keep_logits_bytes = 0
+    actor.enable_reshard_after_forward()
+    plan = plan_trainer_memory(actor, 32768, False, min_tokens=1173, measure=measure, total_bytes=75 * GiB)
+    assert [s for _, s in calls] == [(4096, 8192), (4096, 8192), (1024, 2048), (1024, 2048)]
+    assert 1173 <= plan.max_tokens_per_gpu < 4096 and not plan.reshard_after_forward
+    assert plan.note.startswith("memory: measured again with 1024- and 2048-token probes (below the LM head's "
+                                "chunk); ")
+    calls.clear()
+    again = Actor(load_pretrained(ckpt), cfg, init_distributed("cpu"))
+    again.keep_logits_bytes = 0
+    again.enable_reshard_after_forward()
+    with pytest.raises(MemoryPlanError, match=r"4096-token micro-batch.*usable; add"):
+        plan_trainer_memory(again, 32768, False, min_tokens=4096, measure=measure, total_bytes=75 * GiB)
+    assert all(s == (4096, 8192) for _, s in calls)

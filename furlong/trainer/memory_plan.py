@@ -20,6 +20,7 @@ Given --max-tokens-per-gpu B:
     turns --fsdp-reshard-after-forward on, when it is off, and plans again from new probes).
 With `auto`: the faster of (no recompute, largest budget that fits) and (recompute, largest
 budget that fits); --gradient-checkpointing given by the user is kept on.
+Budgets are multiples of GRANULE, or exactly the longest sample when no multiple both holds it and fits.
 
 Deviation from a full memory model: fragmentation is not modelled (the safety margin is meant
 to absorb it), and cost ignores attention's quadratic term (the probes pack one sample).
@@ -177,6 +178,8 @@ def plan_memory(probes: dict[bool, ModeProbe], budget: MemoryBudget, requested_t
         if requested_tokens is not None and fits(recompute, requested_tokens):
             options.append(candidate(recompute, requested_tokens))
         best = 0 if probes[recompute].out_of_memory else largest_fit(probes[recompute], budget, granule)
+        if best < min_tokens:   # no multiple of the granule holds the longest sample: a budget of exactly it
+            best = min_tokens
         if requested_tokens is not None:
             best = min(best, requested_tokens)
         if fits(recompute, best):

@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from furlong.trainer.actor import Actor
 
 PROBE_TOKENS = 4096
+PROBE_SIZES = (PROBE_TOKENS, 2 * PROBE_TOKENS)
+SMALL_PROBE_SIZES = (PROBE_TOKENS // 4, PROBE_TOKENS // 2)   # when no budget fits and samples are shorter
 CPU_DEFAULT_TOKENS = 16384
 
 
@@ -81,8 +83,9 @@ def _timed_probe(actor: Actor, num_tokens: int) -> tuple[int, float]:
     return peak, time.perf_counter() - t
 
 
-def probe_modes(actor: Actor, modes: tuple[bool, ...] = (False, True)) -> dict[bool, ModeProbe]:
-    """Two probe sizes in each recompute mode of `modes` (the model's flag is toggled and put back)."""
+def probe_modes(actor: Actor, modes: tuple[bool, ...] = (False, True), sizes: tuple[int, int] = PROBE_SIZES
+                ) -> dict[bool, ModeProbe]:
+    """Probes of `sizes` tokens in each recompute mode of `modes` (the model's flag is toggled and put back)."""
     keep, actor.keep_logits_bytes = actor.keep_logits_bytes, 0   # module docstring: counted as fixed memory
     was = actor.model.gradient_checkpointing
     out = {}
@@ -91,16 +94,15 @@ def probe_modes(actor: Actor, modes: tuple[bool, ...] = (False, True)) -> dict[b
             actor.model.gradient_checkpointing = recompute
             held = torch.cuda.memory_allocated(actor.ctx.device)
             try:
-                (p0, t0), (p1, t1) = (_timed_probe(actor, n) for n in (PROBE_TOKENS, 2 * PROBE_TOKENS))
-                out[recompute] = ModeProbe(recompute, (PROBE_TOKENS, 2 * PROBE_TOKENS), (p0, p1), (t0, t1))
+                (p0, t0), (p1, t1) = (_timed_probe(actor, n) for n in sizes)
+                out[recompute] = ModeProbe(recompute, sizes, (p0, p1), (t0, t1))
             except torch.OutOfMemoryError:
                 # the mode does not fit at the probe's size: the plan leaves it out (and says which flags
                 # would help when no mode fits) instead of the run dying on a traceback in set-up
                 actor.optimizer.zero_grad(set_to_none=True)
                 reshard_all(actor.model)
                 torch.cuda.empty_cache()
-                out[recompute] = ModeProbe(recompute, (PROBE_TOKENS, 2 * PROBE_TOKENS), (held, held), (0.0, 0.0),
-                                           out_of_memory=True)
+                out[recompute] = ModeProbe(recompute, sizes, (held, held), (0.0, 0.0), out_of_memory=True)
     finally:
         actor.model.gradient_checkpointing = was
         actor.keep_logits_bytes = keep
@@ -108,8 +110,9 @@ def probe_modes(actor: Actor, modes: tuple[bool, ...] = (False, True)) -> dict[b
 
 
 def plan_trainer_memory(actor: Actor, requested_tokens: int | None, requested_recompute: bool, min_tokens: int,
-                        reserved_bytes: int = 0, measure: Callable[[tuple[bool, ...]], dict[bool, ModeProbe]] | None
-                        = None, total_bytes: int | None = None) -> MemoryPlan:
+                        reserved_bytes: int = 0,
+                        measure: Callable[[tuple[bool, ...], tuple[int, int]], dict[bool, ModeProbe]] | None = None,
+                        total_bytes: int | None = None) -> MemoryPlan:
     """The run's memory plan (memory_plan.py), measured on this rank and agreed over ranks: every rank
     takes the smallest budget, and recompute if any rank needs it (one collective).
 
@@ -117,18 +120,19 @@ def plan_trainer_memory(actor: Actor, requested_tokens: int | None, requested_re
     (actor.keep_logits_bytes, a tenth of the GPU: planned again from the same probes), then turns
     --fsdp-reshard-after-forward on (actor.enable_reshard_after_forward), measures again and says so in
     its line: on one GPU the gathered compute-dtype copy of an 8B model is 15 GiB beside 61 GiB of fp32
-    weights and gradients. Every rank decides each step together (a collective), as the probes run
+    weights and gradients. Last, when the longest sample is shorter than the probes, it probes again at
+    SMALL_PROBE_SIZES, which measure the LM head's chunk as it shrinks below 4096 tokens. Every rank decides each step together (a collective), as the probes run
     FSDP's collectives. On CUDA the memory allocated before the probes (the weights) is the budget's
     static_bytes (memory_plan.MemoryBudget: no fragmentation margin on it).
 
-    `measure(modes)` -> {recompute: ModeProbe} replaces the probes and `total_bytes` the device's
+    `measure(modes, sizes)` -> {recompute: ModeProbe} replaces the probes and `total_bytes` the device's
     memory (tests on the CPU); without them a CPU run keeps its flags."""
     if measure is None and actor.ctx.device.type != "cuda":
         tokens = CPU_DEFAULT_TOKENS if requested_tokens is None else requested_tokens
         note = (f"--max-tokens-per-gpu auto: CPU run, using the default budget of {tokens} tokens"
                 if requested_tokens is None else None)
         return MemoryPlan(tokens, requested_recompute, 0, note)
-    measure = measure or (lambda modes: probe_modes(actor, modes))
+    measure = measure or (lambda modes, sizes: probe_modes(actor, modes, sizes))
     # trainer state not allocated yet: AdamW's two fp32 moments per trainable parameter on this device
     has_state = any(len(s) > 0 for s in actor.optimizer.state.values())
     pending = 0 if has_state else sum(2 * 4 * (p.to_local() if hasattr(p, "to_local") else p).numel()
@@ -139,42 +143,58 @@ def plan_trainer_memory(actor: Actor, requested_tokens: int | None, requested_re
         total_bytes = torch.cuda.get_device_properties(actor.ctx.device).total_memory
         static = torch.cuda.memory_allocated(actor.ctx.device)   # the weights, before any probe
     memo: dict[bool, ModeProbe] = {}
+    sizes = [PROBE_SIZES]    # the probes' token counts now (one list cell: the closures below read it)
 
     def measured(modes: tuple[bool, ...]) -> dict[bool, ModeProbe]:   # each mode probed once per placement
         missing = tuple(m for m in modes if m not in memo)
         if missing:
-            memo.update(measure(missing))
+            memo.update(measure(missing, sizes[0]))
         return {m: memo[m] for m in modes}
 
     def plan_with(keep_bytes: int) -> tuple[MemoryPlan | None, MemoryPlanError | None]:
         budget = MemoryBudget(total_bytes, reserved_bytes, pending + keep_bytes, static_bytes=static)
         return _measured_plan(actor, measured, budget, requested_tokens, requested_recompute, min_tokens)
 
+    def failed_anywhere(plan: MemoryPlan | None) -> bool:   # one collective: every rank takes each step
+        return bool(all_reduce_max([float(plan is None)])[0])
+
     kept_logits = actor.keep_logits_bytes
+    changed: list[str] = []      # what set-up changed beyond budget and recompute, for the plan's line
+    remeasured: list[str] = []   # how the probes ran again, for the error's
     plan, error = plan_with(kept_logits)
-    if kept_logits and all_reduce_max([float(plan is None)])[0]:
+    if kept_logits and failed_anywhere(plan):
         # the logits kept for backward (a tenth of the GPU) go first: recomputing them costs one more LM-head
         # matmul per chunk, re-gathering every layer per micro-batch costs more (the probes ran without them)
+        actor.keep_logits_bytes = 0
         plan, error = plan_with(0)
-        if plan is not None:
-            actor.keep_logits_bytes = 0
-            plan.note = ("memory: the LM head's logits recomputed in backward, not kept (no micro-batch budget fit "
-                         "with them kept)" + (f"; {plan.note.removeprefix('memory: ')}" if plan.note else ""))
-    if not actor.shard.reshard_after_forward and all_reduce_max([float(plan is None)])[0]:
+        changed.append("the LM head's logits recomputed in backward, not kept (no micro-batch budget fit with "
+                       "them kept)")
+    resharded = not actor.shard.reshard_after_forward and failed_anywhere(plan)
+    if resharded:
         actor.enable_reshard_after_forward()
-        actor.keep_logits_bytes = 0     # resharding is the last resort: nothing fit even without them
         memo.clear()
         plan, error = plan_with(0)
-        if plan is not None:
-            plan.reshard_after_forward = True
-            plan.note = ("memory: turned --fsdp-reshard-after-forward on"
-                         + (" and the LM head's logits recomputed in backward" if kept_logits else "")
-                         + " (no micro-batch budget fit with each layer's weights kept gathered across micro-batches)"
-                         + (f"; {plan.note.removeprefix('memory: ')}" if plan.note else
-                            f"; {plan.max_tokens_per_gpu} tokens per micro-batch, recompute "
-                            f"{'on' if plan.gradient_checkpointing else 'off'}"))
-        else:
-            error = MemoryPlanError(f"{error} (measured again with --fsdp-reshard-after-forward turned on)")
+        changed.append("turned --fsdp-reshard-after-forward on (no micro-batch budget fit with each layer's "
+                       "weights kept gathered across micro-batches)")
+        remeasured.append("with --fsdp-reshard-after-forward turned on")
+    if min_tokens < PROBE_TOKENS and failed_anywhere(plan):
+        # below the LM head's chunk (logprobs.chunked_log_probs: 4096 positions) its fp32 [chunk, V] buffers
+        # shrink with the micro-batch, which the large probes' line, flat there, counts whole (Qwen3-8B:
+        # ~3 GiB at a 1173-token budget): small probes measure that slope
+        sizes[0] = SMALL_PROBE_SIZES
+        memo.clear()
+        plan, error = plan_with(0)
+        small = f"{SMALL_PROBE_SIZES[0]}- and {SMALL_PROBE_SIZES[1]}-token probes"
+        changed.append(f"measured again with {small} (below the LM head's chunk)")
+        remeasured.append(f"with {small}")
+    if plan is not None and changed:
+        plan.reshard_after_forward = resharded
+        plan.note = "memory: " + "; ".join(changed) + (
+            f"; {plan.note.removeprefix('memory: ')}" if plan.note else
+            f"; {plan.max_tokens_per_gpu} tokens per micro-batch, recompute "
+            f"{'on' if plan.gradient_checkpointing else 'off'}")
+    elif plan is None and remeasured:
+        error = MemoryPlanError(f"{error} (measured again {' and '.join(remeasured)})")
     return agree_on_plan(plan, error)
 
 
