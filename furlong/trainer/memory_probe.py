@@ -6,13 +6,15 @@ log-prob forward, in each recompute mode asked for, and we read torch.cuda.max_m
 time of each. Each measured run follows a warm-up run whose gradients it keeps: every micro-batch of a
 step after the first runs its forward with the whole step's gradients held (fp32, 4 bytes per trained
 parameter), and a probe without them measured a peak short by up to the smaller of the gradients and
-the activations (Qwen3-8B: a first step ran out of memory 3+ GiB above the planned peak). Peak memory is affine in the token count, so two points give the slope (bytes per token)
-and the intercept; the plan raises the intercept by the AdamW state (2 fp32 tensors per local
-parameter) when the optimizer has not allocated it yet, and by the LM-head logits a training forward
-keeps for its backward (actor.keep_logits_bytes): they grow with the tokens only up to that cap, so the
-probes run without them and the whole cap counts as fixed memory. plan_trainer_memory turns these into
-the run's budget and recompute mode (with `auto` or a given --max-tokens-per-gpu), and when nothing
-fits, drops the kept logits, then reshards after forward and probes again.
+the activations (Qwen3-8B: a first step ran out of memory 3+ GiB above the planned peak). Peak memory
+is affine in the token count above the LM head's 4096-token chunk, so two points give the slope (bytes
+per token) and the intercept; the plan raises the intercept by the AdamW state (2 fp32 tensors per
+local parameter) when the optimizer has not allocated it yet, and by the LM-head logits a training
+forward keeps for its backward (actor.keep_logits_bytes): they grow with the tokens only up to that
+cap, so the probes run without them and the whole cap counts as fixed memory. plan_trainer_memory
+turns these into the run's budget and recompute mode (with `auto` or a given --max-tokens-per-gpu),
+and when nothing fits, drops the kept logits, then reshards after forward and probes again, then
+probes at SMALL_PROBE_SIZES, below the chunk.
 
 On CPU there is nothing to measure: the given budget, or CPU_DEFAULT_TOKENS for `auto` (with a line).
 """
@@ -121,9 +123,10 @@ def plan_trainer_memory(actor: Actor, requested_tokens: int | None, requested_re
     --fsdp-reshard-after-forward on (actor.enable_reshard_after_forward), measures again and says so in
     its line: on one GPU the gathered compute-dtype copy of an 8B model is 15 GiB beside 61 GiB of fp32
     weights and gradients. Last, when the longest sample is shorter than the probes, it probes again at
-    SMALL_PROBE_SIZES, which measure the LM head's chunk as it shrinks below 4096 tokens. Every rank decides each step together (a collective), as the probes run
-    FSDP's collectives. On CUDA the memory allocated before the probes (the weights) is the budget's
-    static_bytes (memory_plan.MemoryBudget: no fragmentation margin on it).
+    SMALL_PROBE_SIZES, which measure the LM head's chunk as it shrinks below 4096 tokens. Every rank
+    decides each step together (a collective), as the probes run FSDP's collectives. On CUDA the memory
+    allocated before the probes (the weights) is the budget's static_bytes (memory_plan.MemoryBudget: no
+    fragmentation margin on it).
 
     `measure(modes, sizes)` -> {recompute: ModeProbe} replaces the probes and `total_bytes` the device's
     memory (tests on the CPU); without them a CPU run keeps its flags."""
@@ -143,12 +146,12 @@ def plan_trainer_memory(actor: Actor, requested_tokens: int | None, requested_re
         total_bytes = torch.cuda.get_device_properties(actor.ctx.device).total_memory
         static = torch.cuda.memory_allocated(actor.ctx.device)   # the weights, before any probe
     memo: dict[bool, ModeProbe] = {}
-    sizes = [PROBE_SIZES]    # the probes' token counts now (one list cell: the closures below read it)
+    probe_sizes = PROBE_SIZES    # the probes' token counts now (read by `measured` when it runs)
 
     def measured(modes: tuple[bool, ...]) -> dict[bool, ModeProbe]:   # each mode probed once per placement
         missing = tuple(m for m in modes if m not in memo)
         if missing:
-            memo.update(measure(missing, sizes[0]))
+            memo.update(measure(missing, probe_sizes))
         return {m: memo[m] for m in modes}
 
     def plan_with(keep_bytes: int) -> tuple[MemoryPlan | None, MemoryPlanError | None]:
@@ -181,7 +184,7 @@ def plan_trainer_memory(actor: Actor, requested_tokens: int | None, requested_re
         # below the LM head's chunk (logprobs.chunked_log_probs: 4096 positions) its fp32 [chunk, V] buffers
         # shrink with the micro-batch, which the large probes' line, flat there, counts whole (Qwen3-8B:
         # ~3 GiB at a 1173-token budget): small probes measure that slope
-        sizes[0] = SMALL_PROBE_SIZES
+        probe_sizes = SMALL_PROBE_SIZES
         memo.clear()
         plan, error = plan_with(0)
         small = f"{SMALL_PROBE_SIZES[0]}- and {SMALL_PROBE_SIZES[1]}-token probes"
