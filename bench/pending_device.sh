@@ -3,10 +3,10 @@
 # whose pieces' timeouts add up to <= 560 s, most important first (a session's 30 device minutes hold
 # about three, fewer when starts fail):
 #   bash bench/pending_device.sh call0|h200|call1|call2|call3
-# call0  Qwen3-8B full-parameter with --optimizer-cpu-offload (issue 20: trains, step time), on an H200, or an
-#        H100: there the plan refused it from the 4096/8192 probes (75 GiB of 72 usable, BENCHMARKS.md session
-#        22) and now probes again at 1024/2048 tokens (~71.6 GiB estimated at the 1173-token longest sample;
-#        not run), with the engine's weights released (the default): the actor, its memory plan
+# call0  Qwen3-8B full-parameter with --optimizer-cpu-offload (issue 20: trains, step time), on an H200 only
+#        (on an H100 the plan refuses it: 75 GiB of 72 usable from the 4096/8192 probes, and its 1024-token
+#        probes ran out of memory, BENCHMARKS.md session 22), with the engine's weights released (the
+#        default): the actor, its memory plan
 #        and 3 train steps printed as each ends (bench/train_steps.py; the bench's train part outlasts a call
 #        at this size), then the bench's train part on what time is left
 # h200   on an H200, the two owed measurements that fit one call: call0's train steps, then call2's split
