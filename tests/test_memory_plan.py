@@ -492,3 +492,12 @@ def test_when_nothing_fits_and_samples_are_short_the_plan_probes_below_the_lm_he
     with pytest.raises(MemoryPlanError, match=r"4096-token micro-batch.*usable; add"):
         plan_trainer_memory(again, 32768, False, min_tokens=4096, measure=measure, total_bytes=75 * GiB)
     assert all(s == (4096, 8192) for _, s in calls)
+    # the small probes themselves run out of memory (an 8B run on an H100 did): the line keeps what the
+    # larger probes measured, and says the small ones ran
+    third = Actor(load_pretrained(ckpt), cfg, init_distributed("cpu"))
+    third.keep_logits_bytes = 0
+    third.enable_reshard_after_forward()
+    with pytest.raises(MemoryPlanError, match=r"even a 1173-token micro-batch .* needs .* usable; .*\(measured again "
+                                              r"with 1024- and 2048-token probes\)$"):
+        plan_trainer_memory(third, 32768, False, min_tokens=1173, total_bytes=75 * GiB, measure=lambda modes, sizes:
+                            measure(modes, sizes) if sizes == (4096, 8192) else {m: _oom(m, 31.7) for m in modes})

@@ -186,7 +186,10 @@ def plan_trainer_memory(actor: Actor, requested_tokens: int | None, requested_re
         # ~3 GiB at a 1173-token budget): small probes measure that slope
         probe_sizes = SMALL_PROBE_SIZES
         memo.clear()
+        large_error = error
         plan, error = plan_with(0)
+        if plan is None and all(p.out_of_memory for p in memo.values()):
+            error = large_error   # its line says what the larger probes measured, where these only ran out
         small = f"{SMALL_PROBE_SIZES[0]}- and {SMALL_PROBE_SIZES[1]}-token probes"
         changed.append(f"measured again with {small} (below the LM head's chunk)")
         remeasured.append(f"with {small}")
