@@ -97,7 +97,8 @@ def test_trainer_plan_with_injected_probes_on_cpu(tmp_path):
     ckpt = write_tiny_checkpoint(tmp_path / "ckpt", vocab_size=128, hidden=32, layers=2, heads=2, kv_heads=1)
     actor = Actor(load_pretrained(ckpt), actor_config(tiny_config(use_dynamic_batch_size=True)), init_distributed("cpu"))
     assert plan_trainer_memory(actor, 4096, False, min_tokens=100).note is None   # CPU, nothing measured
-    plan = plan_trainer_memory(actor, 32768, False, min_tokens=1200, measure=lambda modes, sizes: probes(intercept_s=0.5),
+    plan = plan_trainer_memory(actor, 32768, False, min_tokens=1200,
+                               measure=lambda modes, sizes: probes(intercept_s=0.5),
                                total_bytes=140 * GiB, reserved_bytes=8 * GiB)
     assert plan.gradient_checkpointing and plan.max_tokens_per_gpu == 32768
     assert "turned --gradient-checkpointing on" in plan.note and not plan.reshard_after_forward
