@@ -18,6 +18,7 @@ import torch
 from furlong.bench.measure import peak_gib, reset_peak
 from furlong.bench.state import Bench
 from furlong.bench.workload import load_workload
+from furlong.trainer.memory_plan import MemoryPlanError
 
 
 def main() -> None:
@@ -52,4 +53,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except MemoryPlanError as e:     # the plan's refusal is a result: one line, as `furlong train` prints it
+        raise SystemExit(f"[train_steps] memory plan: {e}")
