@@ -31,6 +31,8 @@ import functools
 
 import torch
 
+CHUNK_TOKENS = 4096   # positions per chunk: two fp32 [CHUNK_TOKENS, V] buffers are the peak extra memory
+
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32, or fp64 for fp64 inputs (exact gradient checks)."""
@@ -173,7 +175,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
 
 
 def chunked_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                      temperature: float = 1.0, chunk_size: int = 4096, with_entropy: bool = False,
+                      temperature: float = 1.0, chunk_size: int = CHUNK_TOKENS, with_entropy: bool = False,
                       compiled: bool | None = None, impl: str | None = None, keep_logits_bytes: int = 0
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets[t] | position t) [T] fp32 and entropy [T] fp32 (None unless with_entropy).

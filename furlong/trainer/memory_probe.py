@@ -7,7 +7,7 @@ time of each. Each measured run follows a warm-up run whose gradients it keeps: 
 step after the first runs its forward with the whole step's gradients held (fp32, 4 bytes per trained
 parameter), and a probe without them measured a peak short by up to the smaller of the gradients and
 the activations (Qwen3-8B: a first step ran out of memory 3+ GiB above the planned peak). Peak memory
-is affine in the token count above the LM head's 4096-token chunk, so two points give the slope (bytes
+is affine in the token count above the LM head's chunk (logprobs.CHUNK_TOKENS), so two points give the slope (bytes
 per token) and the intercept; the plan raises the intercept by the AdamW state (2 fp32 tensors per
 local parameter) when the optimizer has not allocated it yet, and by the LM-head logits a training
 forward keeps for its backward (actor.keep_logits_bytes): they grow with the tokens only up to that
@@ -28,6 +28,7 @@ import torch
 from furlong.trainer.batching import move_micro_batch, pack_micro_batch, response_positions, to_device
 from furlong.launch.distributed import all_reduce_max
 from furlong.trainer.fsdp import reshard_all
+from furlong.trainer.logprobs import CHUNK_TOKENS
 from furlong.trainer.memory_plan import (MemoryBudget, MemoryPlan, MemoryPlanError, ModeProbe, memory_flags_off,
                                          plan_memory)
 from furlong.types import TrainSample
@@ -37,7 +38,8 @@ if TYPE_CHECKING:
 
 PROBE_TOKENS = 4096
 PROBE_SIZES = (PROBE_TOKENS, 2 * PROBE_TOKENS)
-SMALL_PROBE_SIZES = (PROBE_TOKENS // 4, PROBE_TOKENS // 2)   # when no budget fits and samples are shorter
+# when no budget fits and the longest sample is shorter than the LM head's chunk: probes inside it
+SMALL_PROBE_SIZES = (CHUNK_TOKENS // 4, CHUNK_TOKENS // 2)
 CPU_DEFAULT_TOKENS = 16384
 
 
@@ -123,7 +125,7 @@ def plan_trainer_memory(actor: Actor, requested_tokens: int | None, requested_re
     --fsdp-reshard-after-forward on (actor.enable_reshard_after_forward), measures again and says so in
     its line: on one GPU the gathered compute-dtype copy of an 8B model is 15 GiB beside 61 GiB of fp32
     weights and gradients. Last, when the longest sample is shorter than the probes, it probes again at
-    SMALL_PROBE_SIZES, which measure the LM head's chunk as it shrinks below 4096 tokens. Every rank
+    SMALL_PROBE_SIZES, which measure the LM head's chunk as it shrinks below CHUNK_TOKENS. Every rank
     decides each step together (a collective), as the probes run FSDP's collectives. On CUDA the memory
     allocated before the probes (the weights) is the budget's static_bytes (memory_plan.MemoryBudget: no
     fragmentation margin on it).
@@ -180,10 +182,10 @@ def plan_trainer_memory(actor: Actor, requested_tokens: int | None, requested_re
         changed.append("turned --fsdp-reshard-after-forward on (no micro-batch budget fit with each layer's "
                        "weights kept gathered across micro-batches)")
         remeasured.append("with --fsdp-reshard-after-forward turned on")
-    if min_tokens < PROBE_TOKENS and failed_anywhere(plan):
-        # below the LM head's chunk (logprobs.chunked_log_probs: 4096 positions) its fp32 [chunk, V] buffers
-        # shrink with the micro-batch, which the large probes' line, flat there, counts whole (Qwen3-8B:
-        # ~3 GiB at a 1173-token budget): small probes measure that slope
+    if min_tokens < min(CHUNK_TOKENS, PROBE_TOKENS) and failed_anywhere(plan):
+        # below the LM head's chunk its two fp32 [chunk, V] buffers shrink with the micro-batch, which the
+        # large probes' line, flat there, counts whole (by arithmetic 8 bytes x V a token: Qwen3's vocabulary,
+        # ~3.4 GiB between 4096 and 1173 tokens): small probes measure that slope
         probe_sizes = SMALL_PROBE_SIZES
         memo.clear()
         large_error = error
