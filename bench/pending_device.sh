@@ -26,19 +26,23 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/out}"; mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+steps_8b() {   # $1: seconds
+    timeout -k 10 "$1" python3 bench/train_steps.py --workload bench/qwen3_8b_workload.json --optimizer-cpu-offload \
+        --steps 3 >"$OUT/train_steps_8b.log" 2>&1; echo "== 8B train steps: exit $?"
+    grep -E "memory plan|train_steps|Error" "$OUT/train_steps_8b.log" | tail -6
+}
+split_long() {   # $1: seconds
+    timeout -k 10 "$1" python3 bench/rollout_time_split.py --workload bench/long_workload.json \
+        --kv-dtype fp8_e4m3,bf16 --out "$OUT" >"$OUT/rollout_time_split.log" 2>&1
+    echo "== rollout time split: exit $?"; grep -E "s = fixed|\(steady|warm-up rollout|Error" "$OUT/rollout_time_split.log"
+}
 case ${1:-} in
 call0)
-    timeout -k 10 300 python3 bench/train_steps.py --workload bench/qwen3_8b_workload.json --optimizer-cpu-offload \
-        --steps 3 >"$OUT/train_steps_8b.log" 2>&1; echo "== 8B train steps: exit $?"
-    grep -E "memory plan|train_steps|Error" "$OUT/train_steps_8b.log" | tail -6
+    steps_8b 300
     SECS_8B=240 bash bench/bigger_models.sh 8b-optoff-free ;;
 h200)
-    timeout -k 10 260 python3 bench/train_steps.py --workload bench/qwen3_8b_workload.json --optimizer-cpu-offload \
-        --steps 3 >"$OUT/train_steps_8b.log" 2>&1; echo "== 8B train steps: exit $?"
-    grep -E "memory plan|train_steps|Error" "$OUT/train_steps_8b.log" | tail -6
-    timeout -k 10 300 python3 bench/rollout_time_split.py --workload bench/long_workload.json \
-        --kv-dtype fp8_e4m3,bf16 --out "$OUT" >"$OUT/rollout_time_split.log" 2>&1
-    echo "== rollout time split: exit $?"; grep -E "s = fixed|\(steady|warm-up rollout|Error" "$OUT/rollout_time_split.log" ;;
+    steps_8b 260
+    split_long 300 ;;
 call1)
     timeout -k 10 220 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging --timeout=90 \
         tests/test_weight_offload_gpu.py tests/test_offload_gpu.py tests/test_engine_gpu.py tests/test_kv_fp8_gpu.py \
@@ -47,9 +51,7 @@ call1)
     grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests.log" | tail -6 ;;
 call2)
     bash bench/bigger_models.sh decode-fp8
-    timeout -k 10 310 python3 bench/rollout_time_split.py --workload bench/long_workload.json \
-        --kv-dtype fp8_e4m3,bf16 --out "$OUT" >"$OUT/rollout_time_split.log" 2>&1
-    echo "== rollout time split: exit $?"; grep -E "s = fixed|\(steady|warm-up rollout|Error" "$OUT/rollout_time_split.log" ;;
+    split_long 310 ;;
 call3)
     # the GPU preset cut to 100 rollouts (300 took 350 s on an H200, SFT included; 100 about 155-165 s on an
     # H100, where the first in a call once ran past 170 s), the baseline beside both
