@@ -2,7 +2,7 @@
 # The device measurements still owed by the open issues, batched into device calls
 # whose pieces' timeouts add up to <= 560 s, most important first (a session's 30 device minutes hold
 # about three, fewer when starts fail):
-#   bash bench/pending_device.sh call0|h200|call1|call2|call3
+#   bash bench/pending_device.sh call0|h200|h100|either|call1|call2|call3
 # call0  Qwen3-8B full-parameter with --optimizer-cpu-offload (issue 20: trains, step time), on an H200 only
 #        (on an H100 the plan refuses it: 75 GiB of 72 usable from the 4096/8192 probes, and its 1024-token
 #        probes ran out of memory, BENCHMARKS.md session 22), with the engine's weights released (the
@@ -10,6 +10,10 @@
 #        and 3 train steps printed as each ends (bench/train_steps.py; the bench's train part outlasts a call
 #        at this size), then the bench's train part on what time is left
 # h200   on an H200, the two owed measurements that fit one call: call0's train steps, then call2's split
+# h100   on an H100, call0's train steps with the caching allocator's expandable segments (the 1024-token
+#        probes ran out of memory where larger ones ran: fragmentation suspected, BENCHMARKS.md session 22;
+#        the engine is not built by bench/train_steps.py, so its CUDA graphs and arenas are not involved)
+# either h200 on an H200, h100 on an H100 (for a call that may get either card)
 # call1  the engine's, the weight release's and the offloaded reference's GPU tests (63 passed on an H100, session 22)
 # call2  the long rollout with fp8 and bf16 KV on one card (issue 21: <= 40 s; on an H200, the issue's own
 #        card, these have not run since fp8's V became dim-major and its kernel 1-warp), each split into
@@ -43,6 +47,12 @@ call0)
 h200)
     steps_8b 260
     split_long 300 ;;
+h100)
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True steps_8b 540 ;;
+either)
+    mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+    echo "== $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $mib MiB"
+    bash "$0" $([ "${mib:-0}" -gt 100000 ] && echo h200 || echo h100) ;;
 call1)
     timeout -k 10 220 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging --timeout=90 \
         tests/test_weight_offload_gpu.py tests/test_offload_gpu.py tests/test_engine_gpu.py tests/test_kv_fp8_gpu.py \
@@ -66,5 +76,5 @@ call3)
         python3 -c "import json, sys; g = json.load(open(sys.argv[1]))['rollout_logprob_abs_diff']; \
 print('mean |trainer - engine| log-prob', round(sum(v for _, v in g) / max(1, len(g)), 5))" "$OUT/demo_${v}_evals.json"
     done ;;
-*) echo "usage: bash bench/pending_device.sh call0|h200|call1|call2|call3"; exit 2 ;;
+*) echo "usage: bash bench/pending_device.sh call0|h200|h100|either|call1|call2|call3"; exit 2 ;;
 esac
