@@ -32,6 +32,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch._dynamo
+import torch.fx.experimental._config
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard,
@@ -124,6 +126,10 @@ def set_sum_reduction(module: FSDPModule) -> None:
         module.set_force_sum_reduction_for_comms(True)
 
 
+# the layers' compiled graphs kept before Dynamo falls back to eager (compile_layers)
+LAYER_RECOMPILE_LIMIT = 64
+
+
 def compile_enabled(flag: str, device: torch.device) -> bool:
     """--torch-compile: auto compiles on CUDA only (CPU runs are small and compile time dominates)."""
     return flag == "on" or (flag == "auto" and device.type == "cuda")
@@ -141,8 +147,26 @@ def compile_layers(model: nn.Module) -> None:
     against ~1.2 s of GPU work (H200, BENCHMARKS.md). Only the instance's forward is replaced,
     so parameter names stay the same (no `_orig_mod.` prefix for checkpoints and weight sync) and
     FSDP's hooks run eagerly around it.
-    Every layer runs the same code, so one compiled graph (per grad mode) serves all layers.
+    Every layer runs the same code, so the layers share one code object and its cache of graphs.
     dynamic=True: micro-batch token counts change every time.
+
+    Each compiled forward runs under two Dynamo settings of its own (thread-local patches, entered
+    around every call, the backward's recompute on the autograd thread included, so nothing else in
+    the process changes; ~8 us a call):
+    - recompile_limit LAYER_RECOMPILE_LIMIT instead of torch's 8: graphs accumulate per grad mode,
+      per recompute (checkpoint's saved-tensor hooks, FSDP's hooks), per input that is or is not a
+      view and per size seen first, and the memory plan's probes (4 sizes x 2 modes, twice when
+      resharding is turned on) reached 8 on a Qwen3-8B run. Past the limit Dynamo runs the layer
+      eagerly, and a recompute that ran eagerly where its forward had run compiled saves different
+      tensors: torch.utils.checkpoint's CheckpointError, in set-up.
+    - no duck shaping: a token count equal to a model dimension (a 4096-token probe on Qwen3-8B's
+      4096 hidden size) would share that dimension's symbol and be specialised with it to a static
+      graph; with it off the first call compiles the dynamic graph every later size reuses.
     """
+    settings = (torch._dynamo.config.patch(recompile_limit=LAYER_RECOMPILE_LIMIT),
+                torch.fx.experimental._config.patch(use_duck_shape=False))
     for layer in model.layers:
-        layer.forward = torch.compile(layer.forward, dynamic=True)
+        fn = torch.compile(layer.forward, dynamic=True)
+        for patch in settings:
+            fn = patch(fn)       # a ContextDecorator: entered around each call
+        layer.forward = fn
