@@ -3,6 +3,10 @@
 # whose pieces' timeouts add up to <= 560 s, most important first (a session's 30 device minutes hold
 # about three, fewer when starts fail):
 #   bash bench/pending_device.sh call0|h200|h100|either|call1|call2|call3
+# Run on an H200 in session 23 (BENCHMARKS.md): `either` (its h200 branch: 8B trains, 15.7 s a train step; the
+# long rollout 51.4 s fp8, 75.5 s bf16) and call2's decode probe. Still owed: whether 8B fits an H100 now that
+# the compiled layers survive the small probes (`h100`), and issue 21's long rollout <= 40 s (not a
+# measurement: 51.4 s on the H200).
 # call0  Qwen3-8B full-parameter with --optimizer-cpu-offload (issue 20: trains, step time), on an H200 only
 #        (on an H100 the plan refuses it: 75 GiB of 72 usable from the 4096/8192 probes, and its 1024-token
 #        probes ran out of memory, BENCHMARKS.md session 22), with the engine's weights released (the
