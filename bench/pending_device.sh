@@ -2,11 +2,11 @@
 # The device measurements still owed by the open issues, batched into device calls
 # whose pieces' timeouts add up to <= 560 s, most important first (a session's 30 device minutes hold
 # about three, fewer when starts fail):
-#   bash bench/pending_device.sh call0|h200|h100|either|call1|call2|call3
+#   bash bench/pending_device.sh call0|h200|h100|either|rows|call1|call2|call3
 # Run on an H200 in session 23 (BENCHMARKS.md): `either` (its h200 branch: 8B trains, 15.7 s a train step; the
 # long rollout 51.4 s fp8, 75.5 s bf16) and call2's decode probe. Still owed: whether 8B fits an H100 now that
-# the compiled layers survive the small probes (`h100`), and issue 21's long rollout <= 40 s (not a
-# measurement: 51.4 s on the H200).
+# the compiled layers survive the small probes (`h100`), issue 20's unmeasured table rows (`rows`), and issue
+# 21's long rollout <= 40 s (not a measurement: 51.4 s on the H200).
 # call0  Qwen3-8B full-parameter with --optimizer-cpu-offload (issue 20: trains, step time), on an H200 only
 #        (on an H100 the plan refuses it: 75 GiB of 72 usable from the 4096/8192 probes, and its 1024-token
 #        probes ran out of memory, BENCHMARKS.md session 22), with the engine's weights released (the
@@ -18,6 +18,8 @@
 #        probes ran out of memory where larger ones ran: fragmentation suspected, BENCHMARKS.md session 22;
 #        the engine is not built by bench/train_steps.py, so its CUDA graphs and arenas are not involved)
 # either h200 on an H200, h100 on an H100 (for a call that may get either card)
+# rows   issue 20's table rows never measured, on an H200: Qwen3-1.7B full-parameter under the memory plan, and
+#        LoRA (rank 64, all linear) at 0.6B, 1.7B and 4B (the seed step's shape, `furlong bench` train + rollout)
 # call1  the engine's, the weight release's and the offloaded reference's GPU tests (63 passed on an H100, session 22)
 # call2  the long rollout with fp8 and bf16 KV on one card (issue 21: <= 40 s; on an H200, the issue's own
 #        card, these have not run since fp8's V became dim-major and its kernel 1-warp), each split into
@@ -57,6 +59,18 @@ either)
     mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
     echo "== $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $mib MiB"
     bash "$0" $([ "${mib:-0}" -gt 100000 ] && echo h200 || echo h100) ;;
+rows)
+    row() {   # name seconds args...
+        local name=$1 secs=$2; shift 2
+        FURLONG_BENCH_TIME_S=$((secs - 15)) timeout -k 5 "$secs" python3 -m furlong bench --output "$OUT/$name.json" \
+            --parts train,rollout "$@" >"$OUT/$name.log" 2>&1; echo "== $name: exit $?"
+        grep -E "memory plan|^step +(rollout|train|weight|whole)|^train +(train_tok_per_s|train_mfu|train_peak)" "$OUT/$name.log"
+    }
+    lora=(--lora-rank 64 --lora-alpha 128)
+    row qwen3_1p7b 120 --workload bench/qwen3_1p7b_workload.json
+    row seed_lora 90 --workload bench/seed_workload.json "${lora[@]}"
+    row qwen3_1p7b_lora 110 --workload bench/qwen3_1p7b_workload.json "${lora[@]}"
+    row qwen3_4b_lora 200 --workload bench/qwen3_4b_workload.json "${lora[@]}" ;;
 call1)
     timeout -k 10 220 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging --timeout=90 \
         tests/test_weight_offload_gpu.py tests/test_offload_gpu.py tests/test_engine_gpu.py tests/test_kv_fp8_gpu.py \
@@ -80,5 +94,5 @@ call3)
         python3 -c "import json, sys; g = json.load(open(sys.argv[1]))['rollout_logprob_abs_diff']; \
 print('mean |trainer - engine| log-prob', round(sum(v for _, v in g) / max(1, len(g)), 5))" "$OUT/demo_${v}_evals.json"
     done ;;
-*) echo "usage: bash bench/pending_device.sh call0|h200|h100|either|call1|call2|call3"; exit 2 ;;
+*) echo "usage: bash bench/pending_device.sh call0|h200|h100|either|rows|call1|call2|call3"; exit 2 ;;
 esac
