@@ -69,8 +69,9 @@ def torchrun(nnodes: int, nproc: int, flags: list[str], *launch: str, gpu_per_no
              ) -> list[subprocess.Popen]:
     """One torchrun per node, as on a cluster (the README's commands); returns them by node rank.
     gpu_per_node: node i sees only GPU i (CUDA_VISIBLE_DEVICES), as separate machines would."""
+    # PYTHONFAULTHANDLER: a worker sent SIGABRT prints every thread's Python stack (finish, on a hang)
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+           "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     port = str(free_port())
     return [subprocess.Popen([*TORCHRUN, "--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--node-rank",
                               str(node), "--master-addr", "127.0.0.1", "--master-port", port, *launch,
@@ -80,10 +81,30 @@ def torchrun(nnodes: int, nproc: int, flags: list[str], *launch: str, gpu_per_no
 
 
 def finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[tuple[int, str, str]]:
+    """Each node's (exit code, stdout, stderr), all within `timeout` seconds. On a hang the workers get
+    SIGABRT first, so the failure shows where each one waited, and nothing is left running."""
+    deadline = time.monotonic() + timeout
     out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=timeout)
-        out.append((p.returncode, stdout, stderr))
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            out.append((p.returncode, stdout, stderr))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            for worker in _children(p.pid):
+                os.kill(worker, signal.SIGABRT)
+        time.sleep(5)
+        report = []
+        for node, p in enumerate(procs):
+            for pid in [*_children(p.pid), p.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            stdout, stderr = p.communicate()
+            report.append(f"--- node {node} stdout:\n{(stdout or '')[-2000:]}\n--- node {node} stderr:\n"
+                          f"{(stderr or '')[-6000:]}")
+        pytest.fail(f"the run did not end within {timeout:.0f} s; its workers' stacks:\n" + "\n".join(report))
     return out
 
 
