@@ -17,5 +17,5 @@ code = main()
 if "TORCHELASTIC_RESTART_COUNT" in os.environ:   # set by torchrun's agent for its workers
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0 if code is None else code)
+    os._exit(code)
 sys.exit(code)

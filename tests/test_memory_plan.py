@@ -478,27 +478,24 @@ def test_when_nothing_fits_and_samples_are_short_the_plan_probes_below_the_lm_he
         return {m: ModeProbe(m, sizes, tuple(int(62 * GiB + chunk(n) + n * 0.4 * 2**20) for n in sizes),
                              (0.1, 0.2)) for m in modes}
 
-    actor = Actor(load_pretrained(ckpt), cfg, init_distributed("cpu"))
-    actor.keep_logits_bytes = 0
-    actor.enable_reshard_after_forward()
-    plan = plan_trainer_memory(actor, 32768, False, min_tokens=1173, measure=measure, total_bytes=75 * GiB)
+    def fresh() -> Actor:   # nothing left to turn off: the logits recomputed, resharding after forward on
+        actor = Actor(load_pretrained(ckpt), cfg, init_distributed("cpu"))
+        actor.keep_logits_bytes = 0
+        actor.enable_reshard_after_forward()
+        return actor
+
+    plan = plan_trainer_memory(fresh(), 32768, False, min_tokens=1173, measure=measure, total_bytes=75 * GiB)
     assert [s for _, s in calls] == [(4096, 8192), (4096, 8192), (1024, 2048), (1024, 2048)]
     assert 1173 <= plan.max_tokens_per_gpu < 4096 and not plan.reshard_after_forward
     assert plan.note.startswith("memory: measured again with 1024- and 2048-token probes (below the LM head's "
                                 "chunk); ")
     calls.clear()
-    again = Actor(load_pretrained(ckpt), cfg, init_distributed("cpu"))
-    again.keep_logits_bytes = 0
-    again.enable_reshard_after_forward()
     with pytest.raises(MemoryPlanError, match=r"4096-token micro-batch.*usable; add"):
-        plan_trainer_memory(again, 32768, False, min_tokens=4096, measure=measure, total_bytes=75 * GiB)
+        plan_trainer_memory(fresh(), 32768, False, min_tokens=4096, measure=measure, total_bytes=75 * GiB)
     assert all(s == (4096, 8192) for _, s in calls)
     # the small probes themselves run out of memory (an 8B run on an H100 did): the line keeps what the
     # larger probes measured, and says the small ones ran
-    third = Actor(load_pretrained(ckpt), cfg, init_distributed("cpu"))
-    third.keep_logits_bytes = 0
-    third.enable_reshard_after_forward()
     with pytest.raises(MemoryPlanError, match=r"even a 1173-token micro-batch .* needs .* usable; .*\(measured again "
                                               r"with 1024- and 2048-token probes\)$"):
-        plan_trainer_memory(third, 32768, False, min_tokens=1173, total_bytes=75 * GiB, measure=lambda modes, sizes:
+        plan_trainer_memory(fresh(), 32768, False, min_tokens=1173, total_bytes=75 * GiB, measure=lambda modes, sizes:
                             measure(modes, sizes) if sizes == (4096, 8192) else {m: _oom(m, 31.7) for m in modes})

@@ -164,24 +164,24 @@ def plan_trainer_memory(actor: Actor, requested_tokens: int | None, requested_re
         return bool(all_reduce_max([float(plan is None)])[0])
 
     kept_logits = actor.keep_logits_bytes
-    changed: list[str] = []      # what set-up changed beyond budget and recompute, for the plan's line
-    remeasured: list[str] = []   # how the probes ran again, for the error's
+    # what set-up changed beyond budget and recompute (for the plan's line), each with how the probes ran
+    # again after it (for the error's), None when they did not
+    changed: list[tuple[str, str | None]] = []
     plan, error = plan_with(kept_logits)
     if kept_logits and failed_anywhere(plan):
         # the logits kept for backward (a tenth of the GPU) go first: recomputing them costs one more LM-head
         # matmul per chunk, re-gathering every layer per micro-batch costs more (the probes ran without them)
         actor.keep_logits_bytes = 0
         plan, error = plan_with(0)
-        changed.append("the LM head's logits recomputed in backward, not kept (no micro-batch budget fit with "
-                       "them kept)")
+        changed.append(("the LM head's logits recomputed in backward, not kept (no micro-batch budget fit with "
+                        "them kept)", None))
     resharded = not actor.shard.reshard_after_forward and failed_anywhere(plan)
     if resharded:
         actor.enable_reshard_after_forward()
         memo.clear()
         plan, error = plan_with(0)
-        changed.append("turned --fsdp-reshard-after-forward on (no micro-batch budget fit with each layer's "
-                       "weights kept gathered across micro-batches)")
-        remeasured.append("with --fsdp-reshard-after-forward turned on")
+        changed.append(("turned --fsdp-reshard-after-forward on (no micro-batch budget fit with each layer's "
+                        "weights kept gathered across micro-batches)", "with --fsdp-reshard-after-forward turned on"))
     if min_tokens < min(CHUNK_TOKENS, PROBE_TOKENS) and failed_anywhere(plan):
         # below the LM head's chunk its two fp32 [chunk, V] buffers shrink with the micro-batch, which the
         # large probes' line, flat there, counts whole (by arithmetic 8 bytes x V a token: Qwen3's vocabulary,
@@ -193,11 +193,11 @@ def plan_trainer_memory(actor: Actor, requested_tokens: int | None, requested_re
         if plan is None and all(p.out_of_memory for p in memo.values()):
             error = large_error   # its line says what the larger probes measured, where these only ran out
         small = f"{SMALL_PROBE_SIZES[0]}- and {SMALL_PROBE_SIZES[1]}-token probes"
-        changed.append(f"measured again with {small} (below the LM head's chunk)")
-        remeasured.append(f"with {small}")
+        changed.append((f"measured again with {small} (below the LM head's chunk)", f"with {small}"))
+    remeasured = [how for _, how in changed if how is not None]
     if plan is not None and changed:
         plan.reshard_after_forward = resharded
-        plan.note = "memory: " + "; ".join(changed) + (
+        plan.note = "memory: " + "; ".join(what for what, _ in changed) + (
             f"; {plan.note.removeprefix('memory: ')}" if plan.note else
             f"; {plan.max_tokens_per_gpu} tokens per micro-batch, recompute "
             f"{'on' if plan.gradient_checkpointing else 'off'}")
