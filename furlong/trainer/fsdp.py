@@ -152,7 +152,8 @@ def compile_layers(model: nn.Module) -> None:
 
     Each compiled forward runs under two Dynamo settings of its own (thread-local patches, entered
     around every call, the backward's recompute on the autograd thread included, so nothing else in
-    the process changes; ~16 us a call on this project's 2-core CI machine, ~2 ms a seed step by arithmetic (28 layers x 5 micro-batches)):
+    the process changes; ~16 us a call on this project's 2-core CI machine, ~2 ms a seed step by
+    arithmetic: 28 layers x 5 micro-batches):
     - recompile_limit LAYER_RECOMPILE_LIMIT instead of torch's 8: graphs accumulate per grad mode,
       per recompute (checkpoint's saved-tensor hooks, FSDP's hooks), per input that is or is not a
       view and per size seen first, and the memory plan's probes (4 sizes x 2 modes, twice when
