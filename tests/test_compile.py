@@ -2,8 +2,6 @@
 layers share one graph across token counts, and their activation recompute does not depend on the process's
 Dynamo recompile limit (those cases each run in a spawned process: Dynamo's caches and settings are
 process-wide)."""
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -12,7 +10,7 @@ from furlong.config import Config
 from furlong.models.hf_io import load_pretrained
 from furlong.config_map import actor_config, batching_config
 from furlong.trainer.actor import Actor
-from furlong.launch.distributed import destroy_distributed, init_distributed
+from furlong.launch.distributed import destroy_distributed, free_port, init_distributed
 from furlong.types import TrainSample
 from tiny_checkpoints import write_tiny_checkpoint
 
@@ -55,12 +53,6 @@ def test_compiled_layers_match_eager(tmp_path):
 
 
 HIDDEN = 64
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tiny_model():
@@ -124,7 +116,7 @@ def _worker(rank: int, port: int, case: str, results) -> None:
 def _run(case: str) -> dict:
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_worker, args=(_free_port(), case, results), nprocs=1, join=True)
+        mp.spawn(_worker, args=(free_port(), case, results), nprocs=1, join=True)
         return dict(results)
 
 
