@@ -5,11 +5,17 @@ A decode step multiplies B rows (one token per running sequence) by every weight
 are skinny GEMMs whose weights are read once per step. The profile of a graphed step (profile_decode.py)
 puts ~0.9 ms of a 3.5 ms B=256 step in matmuls for 0.3 TFLOP and 1.19 GB of weights: this script says
 which shapes fall short of their floor, max(weight bytes / bandwidth, FLOPs / peak), and by how much.
-Each shape is timed as F.linear (cuBLAS, what the engine runs) over CUDA-graph replays of 28 copies of
-the weight (a layer's matmul in a model's step reads a weight not in L2), median of 5 x 20 replays.
+Each shape is timed over CUDA-graph replays of 28 copies of the weight (a layer's matmul in a model's
+step reads a weight not in L2), median of 5 x 20 replays, as one or more implementations (--impl):
+    cublas     F.linear, what the engine runs
+    cublaslt   F.linear with torch's preferred BLAS library set to cuBLASLt
+    autotune   F.linear compiled by inductor in max-autotune mode for this one shape (static M): the
+               fastest of its Triton matmul templates and cuBLAS, benchmarked at compile time (tens of
+               seconds per shape); an experiment, asking whether a different kernel beats cuBLAS here
 
     python3 bench/decode_gemm_sweep.py [--batch 16,64,128,256] [--model qwen3-0.6b|qwen3-4b|qwen3-8b]
-        [--bandwidth-tbs 3.35] [--peak-tflops 790] [--out DIR]
+        [--impl cublas,cublaslt,autotune] [--shapes qkv,o,...] [--bandwidth-tbs 3.35] [--peak-tflops 790]
+        [--out DIR]
 """
 from __future__ import annotations
 
@@ -34,14 +40,24 @@ def shapes(model: str) -> dict[str, tuple[int, int]]:
             "lm_head": (h, vocab)}
 
 
-def time_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> float:
-    """ms per F.linear, the weights cycled inside one captured graph."""
-    outs = [F.linear(x, w) for w in weights]          # warm-up, cuBLAS picks its kernel
+def linear_impl(name: str):
+    """(x [M, K], w [N, K]) -> [M, N] as implementation `name` (module docstring)."""
+    if name in ("cublas", "cublaslt"):
+        return F.linear
+    if name == "autotune":
+        return torch.compile(lambda x, w: F.linear(x, w), mode="max-autotune-no-cudagraphs", dynamic=False)
+    raise ValueError(f"--impl: unknown implementation {name!r} (cublas, cublaslt, autotune)")
+
+
+def time_linear(x: torch.Tensor, weights: list[torch.Tensor], fn=F.linear) -> float:
+    """ms per fn(x, w), the weights cycled inside one captured graph."""
+    outs = [fn(x, w) for w in weights]                # warm-up: cuBLAS picks its kernel, inductor compiles
+    torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            outs = [F.linear(x, w) for w in weights]
+            outs = [fn(x, w) for w in weights]
     torch.cuda.synchronize()
     del outs
     samples = []
@@ -63,29 +79,44 @@ def main() -> None:
     ap.add_argument("--bandwidth-tbs", type=float, default=None,
                     help="the card's HBM peak, TB/s (default by name: H200 4.8, else the H100's 3.35)")
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 dense matmul peak, TFLOP/s")
+    ap.add_argument("--impl", default="cublas", help="implementations to time (comma list; module docstring)")
+    ap.add_argument("--shapes", default="", help="projections to time (comma list; default all)")
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
     dev = torch.device("cuda")
     a.bandwidth_tbs = a.bandwidth_tbs or (4.8 if "H200" in torch.cuda.get_device_name() else 3.35)
     torch.manual_seed(0)
+    impls = a.impl.split(",")
+    fns = {i: linear_impl(i) for i in impls}
+    wanted = shapes(a.model) if not a.shapes else {k: shapes(a.model)[k] for k in a.shapes.split(",")}
     rows = []
-    for name, (k, n) in shapes(a.model).items():
+    for name, (k, n) in wanted.items():
         copies = 2 if name == "lm_head" else COPIES    # the head is one weight (311 MB at 0.6B: past L2 anyway)
         weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         for b in (int(x) for x in a.batch.split(",")):
             x = torch.randn(b, k, device=dev, dtype=torch.bfloat16)
-            ms = time_linear(x, weights)
-            floor_ms = max(2 * n * k / a.bandwidth_tbs / 1e9, 2 * b * n * k / a.peak_tflops / 1e9)
-            rows.append({"shape": name, "k": k, "n": n, "batch": b, "ms": ms, "floor_ms": floor_ms,
-                         "weight_tbs": 2 * n * k / ms / 1e9, "tflops": 2 * b * n * k / ms / 1e9})
-            print(f"{name:8s} K={k:5d} N={n:6d} B={b:4d}  {ms * 1000:8.2f} us  floor {floor_ms * 1000:7.2f} us  "
-                  f"({floor_ms / ms:5.1%})  weights {rows[-1]['weight_tbs']:.2f} TB/s", flush=True)
+            ref = F.linear(x, weights[0]).float()
+            for impl in impls:
+                torch.backends.cuda.preferred_blas_library("cublaslt" if impl == "cublaslt" else "cublas")
+                ms = time_linear(x, weights, fns[impl])
+                err = (fns[impl](x, weights[0]).float() - ref).abs().max().item()
+                floor_ms = max(2 * n * k / a.bandwidth_tbs / 1e9, 2 * b * n * k / a.peak_tflops / 1e9)
+                rows.append({"shape": name, "impl": impl, "k": k, "n": n, "batch": b, "ms": ms,
+                             "floor_ms": floor_ms, "max_abs_diff_vs_cublas": err,
+                             "weight_tbs": 2 * n * k / ms / 1e9, "tflops": 2 * b * n * k / ms / 1e9})
+                print(f"{name:8s} {impl:9s} K={k:5d} N={n:6d} B={b:4d}  {ms * 1000:8.2f} us  floor "
+                      f"{floor_ms * 1000:7.2f} us ({floor_ms / ms:5.1%})  weights {rows[-1]['weight_tbs']:.2f} "
+                      f"TB/s  |diff| {err:.2g}", flush=True)
+            torch.backends.cuda.preferred_blas_library("cublas")
         del weights
     layers = MODELS[a.model][-1]
-    for b in (int(x) for x in a.batch.split(",")):
-        step = sum(r["ms"] * (1 if r["shape"] == "lm_head" else layers) for r in rows if r["batch"] == b)
-        floor = sum(r["floor_ms"] * (1 if r["shape"] == "lm_head" else layers) for r in rows if r["batch"] == b)
-        print(f"B={b:4d}: a step's matmuls {step:.3f} ms against a floor of {floor:.3f} ms ({floor / step:.0%})")
+    for impl in impls:
+        for b in (int(x) for x in a.batch.split(",")):
+            mine = [r for r in rows if r["batch"] == b and r["impl"] == impl]
+            step = sum(r["ms"] * (1 if r["shape"] == "lm_head" else layers) for r in mine)
+            floor = sum(r["floor_ms"] * (1 if r["shape"] == "lm_head" else layers) for r in mine)
+            print(f"{impl:9s} B={b:4d}: the timed shapes' matmuls a step {step:.3f} ms against a floor of "
+                  f"{floor:.3f} ms ({floor / step:.0%})")
     out = Path(a.out) / "decode_gemm_sweep.json"
     out.write_text(json.dumps({"model": a.model, "device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
     print(f"wrote {out}")
