@@ -12,6 +12,9 @@ step reads a weight not in L2), median of 5 x 20 replays, as one or more impleme
     autotune   F.linear compiled by inductor in max-autotune mode for this one shape (static M): the
                fastest of its Triton matmul templates and cuBLAS, benchmarked at compile time (tens of
                seconds per shape); an experiment, asking whether a different kernel beats cuBLAS here
+    autotune-dynamic  the same compiled once per weight shape with a dynamic M, tuned at the first batch
+               of --batch (list the largest first), then run at every batch: how the engine's compiled
+               functions (dynamic token counts) would use it
 
     python3 bench/decode_gemm_sweep.py [--batch 16,64,128,256] [--model qwen3-0.6b|qwen3-4b|qwen3-8b]
         [--impl cublas,cublaslt,autotune] [--shapes qkv,o,...] [--bandwidth-tbs 3.35] [--peak-tflops 790]
@@ -40,13 +43,23 @@ def shapes(model: str) -> dict[str, tuple[int, int]]:
             "lm_head": (h, vocab)}
 
 
+def _static_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, w)
+
+
+def _dynamic_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:   # its own code object: its own cache
+    return F.linear(x, w)
+
+
 def linear_impl(name: str):
     """(x [M, K], w [N, K]) -> [M, N] as implementation `name` (module docstring)."""
     if name in ("cublas", "cublaslt"):
         return F.linear
     if name == "autotune":
-        return torch.compile(lambda x, w: F.linear(x, w), mode="max-autotune-no-cudagraphs", dynamic=False)
-    raise ValueError(f"--impl: unknown implementation {name!r} (cublas, cublaslt, autotune)")
+        return torch.compile(_static_linear, mode="max-autotune-no-cudagraphs", dynamic=False)
+    if name == "autotune-dynamic":
+        return torch.compile(_dynamic_linear, mode="max-autotune-no-cudagraphs", dynamic=True)
+    raise ValueError(f"--impl: unknown implementation {name!r} (cublas, cublaslt, autotune, autotune-dynamic)")
 
 
 def time_linear(x: torch.Tensor, weights: list[torch.Tensor], fn=F.linear) -> float:
@@ -87,13 +100,17 @@ def main() -> None:
     a.bandwidth_tbs = a.bandwidth_tbs or (4.8 if "H200" in torch.cuda.get_device_name() else 3.35)
     torch.manual_seed(0)
     impls = a.impl.split(",")
-    fns = {i: linear_impl(i) for i in impls}
+    # each compiled variant's graphs share one code object, so Dynamo's per-code cache must hold them all
+    # (past its limit it would run the rest eagerly: cuBLAS, silently)
+    torch._dynamo.config.recompile_limit = torch._dynamo.config.accumulated_recompile_limit = 1024
     wanted = shapes(a.model) if not a.shapes else {k: shapes(a.model)[k] for k in a.shapes.split(",")}
     rows = []
     for name, (k, n) in wanted.items():
         copies = 2 if name == "lm_head" else COPIES    # the head is one weight (311 MB at 0.6B: past L2 anyway)
         weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        per_shape = {i: linear_impl(i) for i in impls}
         for b in (int(x) for x in a.batch.split(",")):
+            fns = {i: linear_impl(i) if i == "autotune" else per_shape[i] for i in impls}
             x = torch.randn(b, k, device=dev, dtype=torch.bfloat16)
             ref = F.linear(x, weights[0]).float()
             for impl in impls:
