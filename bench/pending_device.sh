@@ -2,7 +2,7 @@
 # The device measurements still owed by the open issues, batched into device calls
 # whose pieces' timeouts add up to <= 560 s, most important first (a session's 30 device minutes hold
 # about three, fewer when starts fail):
-#   bash bench/pending_device.sh call0|h200|h100|either|rows|call1|call2|call3
+#   bash bench/pending_device.sh call0|h200|h100|either|rows|levers|call1|call2|call3
 # Run on an H200 in session 23 (BENCHMARKS.md): `either` (its h200 branch: 8B trains, 15.7 s a train step; the
 # long rollout 51.4 s fp8, 75.5 s bf16) and call2's decode probe. Still owed: whether 8B fits an H100 now that
 # the compiled layers survive the small probes (`h100`), issue 20's unmeasured table rows (`rows`), and issue
@@ -20,6 +20,11 @@
 # either h200 on an H200, h100 on an H100 (for a call that may get either card)
 # rows   issue 20's table rows never measured, on an H200: Qwen3-1.7B full-parameter under the memory plan, and
 #        LoRA (rank 64, all linear) at 0.6B, 1.7B and 4B (the seed step's shape, `furlong bench` train + rollout)
+# levers issue 21's long rollout (<= 40 s) could take, measured before building either: the decode step's
+#        matmuls as cuBLAS, cuBLASLt and inductor's autotuned Triton templates (static and dynamic M) at the
+#        long rollout's running rows (bench/decode_gemm_sweep.py: are the ~0.45-0.6 ms a step they spend over
+#        their floor a different kernel's to take?), then the fp8 decode kernel's warps x stages x V-load
+#        order on this card at the rollout's shapes (bulk, mid and tail; the sweeps so far ran on an H100)
 # call1  the engine's, the weight release's and the offloaded reference's GPU tests (63 passed on an H100, session 22)
 # call2  the long rollout with fp8 and bf16 KV on one card (issue 21: <= 40 s; on an H200, the issue's own
 #        card, these have not run since fp8's V became dim-major and its kernel 1-warp), each split into
@@ -71,6 +76,13 @@ rows)
     row seed_lora 90 --workload bench/seed_workload.json "${lora[@]}"
     row qwen3_1p7b_lora 110 --workload bench/qwen3_1p7b_workload.json "${lora[@]}"
     row qwen3_4b_lora 200 --workload bench/qwen3_4b_workload.json "${lora[@]}" ;;
+levers)
+    timeout -k 10 330 python3 bench/decode_gemm_sweep.py --batch 256,128,64,16 --shapes qkv,o,gate_up,down \
+        --impl cublas,cublaslt,autotune,autotune-dynamic --out "$OUT" >"$OUT/decode_gemm_sweep.log" 2>&1
+    echo "== decode GEMM sweep: exit $?"; grep -E "^(qkv|o|gate_up|down) |step|Error" "$OUT/decode_gemm_sweep.log"
+    timeout -k 10 160 python3 bench/decode_kernel_sweep.py --quick --kv fp8 --warps 1,2 --stages 2,3,4 \
+        --batch 256,64,12 --context 4096,8192 --out "$OUT" >"$OUT/decode_kernel_sweep.log" 2>&1
+    echo "== fp8 decode kernel sweep: exit $?"; grep -E "B=|compiled|Error" "$OUT/decode_kernel_sweep.log" ;;
 call1)
     timeout -k 10 220 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging --timeout=90 \
         tests/test_weight_offload_gpu.py tests/test_offload_gpu.py tests/test_engine_gpu.py tests/test_kv_fp8_gpu.py \
@@ -94,5 +106,5 @@ call3)
         python3 -c "import json, sys; g = json.load(open(sys.argv[1]))['rollout_logprob_abs_diff']; \
 print('mean |trainer - engine| log-prob', round(sum(v for _, v in g) / max(1, len(g)), 5))" "$OUT/demo_${v}_evals.json"
     done ;;
-*) echo "usage: bash bench/pending_device.sh call0|h200|h100|either|rows|call1|call2|call3"; exit 2 ;;
+*) echo "usage: bash bench/pending_device.sh call0|h200|h100|either|rows|levers|call1|call2|call3"; exit 2 ;;
 esac
