@@ -5,7 +5,7 @@ the engine's page layout from kv_cache.KVLayout with 4 layers interleaved, pages
 B rows at one context length; each setting is timed over CUDA-graph replays (median of 5 x 20)
 and reported with the bandwidth it reaches over the K/V (+ scale) bytes it must read. fp8 V is
 stored dim-major as the engine does (kv_cache.KVLayout.dim_major; `fp8_vtok`: token-major, the
-earlier layout). The engine's own setting is block_n 64, num_warps 4 (bf16), 1 (fp8) or 2 (fp8_vtok), V's load beside K's for fp8,
+earlier layout; `fp8_t`: the engine's layout read by the transposed kernel, kernels_transposed.py). The engine's own setting is block_n 64, num_warps 4 (bf16), 1 (fp8) or 2 (fp8_vtok), V's load beside K's for fp8,
 num_stages 2 and the split count of ModelRunner.num_splits (splits.program_splits). Tried and dropped (slower):
 Q quantised to e4m3 for an fp8 x fp8 Q.K^T dot (no faster, 5x the output error), and K/V tiles dequantised in registers
 before the dots (6x slower); e4m3 widened to fp16 where loaded by an inline-PTX convert, so the dots read
@@ -37,7 +37,7 @@ from furlong.engine.kv_fp8 import FP8, quantize
 from furlong.engine.splits import program_splits, programs_per_sm
 
 HQ, HKV, D, PAGE, LAYERS = 16, 8, 128, 64, 4
-ENGINE_WARPS = {"bf16": 4, "fp8": 1, "fp8_vtok": 2}   # paged_decode_attention's default (no cascade groups)
+ENGINE_WARPS = {"bf16": 4, "fp8": 1, "fp8_vtok": 2, "fp8_t": 1}   # paged_decode_attention's default (no cascade groups)
 
 
 def engine_splits(rows: int, num_sms: int) -> int:
@@ -120,7 +120,8 @@ def main() -> None:
     ap.add_argument("--engine-launch", action="store_true",
                     help="warps and V's load order as the engine launches each kv (overrides --warps)")
     ap.add_argument("--kv", default="bf16,fp8,fp8_vtok",
-                    help="bf16; fp8 (the engine's layout: V dim-major); fp8_vtok (V token-major, the earlier layout)")
+                    help="bf16; fp8 (the engine's layout: V dim-major); fp8_vtok (V token-major, the earlier "
+                         "layout); fp8_t (the engine's layout, the transposed kernel)")
     a = ap.parse_args()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -129,17 +130,19 @@ def main() -> None:
         for kv in a.kv.split(","):
             fp8 = kv != "bf16"
             base = engine_splits(batch, num_sms)
-            q, k, v, ks, vs, tables, lens, nbytes = build(batch, context, fp8, gen, v_dim_major=kv == "fp8")
+            q, k, v, ks, vs, tables, lens, nbytes = build(batch, context, fp8, gen, v_dim_major=kv != "fp8_vtok")
+            transposed = kv == "fp8_t"
             ref = None
             grid = ((64,) if a.quick else (32, 64), (ENGINE_WARPS[kv],) if a.engine_launch else ints(a.warps),
                     ints(a.stages), ints(a.splits) if a.splits else sorted({base, base * 2, max(1, base // 2)}),
-                    (fp8,) if a.engine_launch else (False, True))
+                    (fp8,) if a.engine_launch or transposed else (False, True))   # transposed: no V-load choice
             for block_n, warps, stages, splits, early_v in itertools.product(*grid):
                 def fn():
                     return paged_decode_attention(q, k, v, tables, lens, splits, block_n=block_n,
                                                   key_scales=ks if fp8 else None,
                                                   value_scales=vs if fp8 else None,
-                                                  num_warps=warps, num_stages=stages, early_v=early_v)
+                                                  num_warps=warps, num_stages=stages, early_v=early_v,
+                                                  transposed=transposed)
                 try:
                     out = fn()
                     ref = out if ref is None else ref

@@ -9,7 +9,7 @@ per thread per tile), the reason the engine stores fp8 V dim-major.
 
     pip install --no-deps --target /tmp/tri triton==3.6.0        # CPU machine: not a furlong dependency
     PYTHONPATH=/tmp/tri:. python3 bench/kernel_sass.py [--kv fp8|fp8_vtok|bf16] [--warps 1] [--stages 2]
-        [--block-n 64] [--cascade] [--out DIR]
+        [--block-n 64] [--cascade | --transposed] [--out DIR]
 """
 from __future__ import annotations
 
@@ -24,24 +24,31 @@ POINTERS_FP8 = dict(Q="*bf16", K="*fp8e4nv", V="*fp8e4nv", KS="*fp32", VS="*fp32
                     PL="*i32", GR="*i32", GP="*i32", O="*fp32", LSE="*fp32", OUT="*bf16")
 
 
-def compile_kernel(kv: str, warps: int, stages: int, block_n: int, cascade: bool):
+def compile_kernel(kv: str, warps: int, stages: int, block_n: int, cascade: bool, transposed: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from furlong.engine.kernels import _decode_attn_kernel
+    from furlong.engine.kernels_transposed import _decode_attn_transposed_kernel
     fp8 = kv != "bf16"
     ptrs = dict(POINTERS_FP8)
     if not fp8:
         ptrs.update(K="*bf16", V="*bf16", KS="*i32", VS="*i32")
+    # the Qwen3-0.6B shape, as the engine launches it
     const = dict(GROUP=2, QP=16, MEMBERS=8 if cascade else 1, D=128, PAGE=64, BLOCK_N=block_n,
                  DIRECT=not cascade, CASCADE=cascade, FP8=fp8, PRECISION="tf32", DOT=triton.language.float16,
-                 EARLY_V=fp8, V_DIM_MAJOR=kv == "fp8")         # the Qwen3-0.6B shape, as the engine launches it
-    params = list(inspect.signature(_decode_attn_kernel.fn).parameters)
+                 EARLY_V=fp8, V_DIM_MAJOR=kv == "fp8")
+    kernel = _decode_attn_kernel
+    if transposed:      # fp8, V dim-major, no cascade (kernels_transposed.py)
+        kernel = _decode_attn_transposed_kernel
+        const = dict(GROUP=2, GP=8, D=128, PAGE=64, BLOCK_N=block_n, DIRECT=True, DOT=triton.language.float16,
+                     PRECISION="tf32")
+    params = list(inspect.signature(kernel.fn).parameters)
     sig = {p: "constexpr" if p in const else ptrs.get(p, "fp32" if p == "scale" else "i32") for p in params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
              if p not in const and (p in ptrs or p.startswith("s_"))}
-    src = ASTSource(_decode_attn_kernel, sig, constexprs={p: const[p] for p in params if p in const}, attrs=attrs)
+    src = ASTSource(kernel, sig, constexprs={p: const[p] for p in params if p in const}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
 
 
@@ -66,10 +73,14 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--block-n", type=int, default=64)
     ap.add_argument("--cascade", action="store_true")
+    ap.add_argument("--transposed", action="store_true", help="kernels_transposed.py's kernel (fp8 only)")
     ap.add_argument("--out", default=None, help="write the PTX and SASS here")
     a = ap.parse_args()
     import triton
-    kernel = compile_kernel(a.kv, a.warps, a.stages, a.block_n, a.cascade)
+    if a.transposed and (a.kv != "fp8" or a.cascade):
+        raise SystemExit("--transposed: the transposed kernel reads an fp8 cache with V dim-major (--kv fp8), "
+                         "no cascade groups")
+    kernel = compile_kernel(a.kv, a.warps, a.stages, a.block_n, a.cascade, a.transposed)
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     out = Path(a.out or "/tmp/kernel_sass")
     out.mkdir(parents=True, exist_ok=True)
@@ -81,7 +92,8 @@ def main() -> None:
     (out / "kernel.sass").write_text(sass)
     usage = run("-res-usage").strip().splitlines()[-1].strip()
     num, ops = loop_opcodes(sass)
-    print(f"{a.kv}, {a.warps} warps, {a.stages} stages, block_n {a.block_n}{', cascade' if a.cascade else ''}: {usage}")
+    print(f"{a.kv}{' transposed' if a.transposed else ''}, {a.warps} warps, {a.stages} stages, block_n "
+          f"{a.block_n}{', cascade' if a.cascade else ''}: {usage}")
     print(f"KV-tile loop: {num} instructions per warp")
     print("  " + ", ".join(f"{op} {n}" for op, n in ops.most_common(24)))
 

@@ -17,7 +17,8 @@ attention at an implied 2.67 TB/s, R^2 0.97; the same rollout under the other sp
 42 s).
 
     python3 bench/rollout_time_split.py [--workload bench/long_workload.json] [--kv-dtype fp8_e4m3,bf16]
-        [--split-rule waves,programs] [--out DIR]       -> rollout_time_split.json, rollout_time_split.png
+        [--split-rule waves,programs] [--fp8-kernel padded,transposed] [--out DIR]
+        -> rollout_time_split.json, rollout_time_split.png
 """
 from __future__ import annotations
 
@@ -147,20 +148,27 @@ def main() -> None:
     ap.add_argument("--kv-dtype", default="fp8_e4m3,bf16")
     ap.add_argument("--split-rule", default="programs",
                     help="the decode kernel's split rules to run, each on the same engine (splits.py): waves,programs")
+    ap.add_argument("--fp8-kernel", default="padded",
+                    help="an fp8 cache's decode kernels to run, each on the same engine: padded (the engine's), "
+                         "transposed (kernels_transposed.py); bf16 runs the padded one")
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
     w = load_workload(a.workload)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    samples_by_run, fits, report = {}, {}, {}     # keyed by run: '<kv dtype> <split rule>'
+    samples_by_run, fits, report = {}, {}, {}     # keyed by run: '<kv dtype> <split rule>[ transposed]'
     for kv in a.kv_dtype.split(","):
         b = Bench(w, kv_dtype=kv)
         g = torch.Generator().manual_seed(b.seed + 2)
         prompts = [torch.randint(0, b.args.vocab_size, (p,), generator=g).tolist() for p in w.prompt_lens]
         engine = make_engine(b, max(w.prompt_lens) + max(w.response_lens))
-        for rule in a.split_rule.split(","):
-            name = f"{kv} {rule}"
+        kernels = a.fp8_kernel.split(",") if kv == "fp8_e4m3" else ["padded"]
+        for rule, kernel in ((r, k) for r in a.split_rule.split(",") for k in kernels):
+            name = f"{kv} {rule}" + ("" if kernel == "padded" else f" {kernel}")
             engine.runner.split_rule = rule
+            if engine.runner.transposed_fp8 != (kernel == "transposed"):
+                engine.runner.transposed_fp8 = kernel == "transposed"
+                engine.runner.graphs.clear()      # captured with the other kernel
             # warm-up: the same rows at 1/16 of their lengths finish in the same order, so the batch passes
             # through the same buckets and captures most graphs the timed rollout replays (not those of
             # split counts only longer contexts pick: their windows are left out of the fit)

@@ -77,9 +77,13 @@ def test_store_kv_fp8_quantises_as_the_reference():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
-@pytest.mark.parametrize("early_v", [False, True])
-@pytest.mark.parametrize("v_dim_major", [True, False])
-def test_paged_decode_attention_fp8_matches_dequantised_reference(dtype, num_splits, early_v, v_dim_major):
+@pytest.mark.parametrize("early_v,v_dim_major,transposed", [(False, True, False), (True, True, False),
+                                                            (False, False, False), (True, False, False),
+                                                            (None, True, True)])
+def test_paged_decode_attention_fp8_matches_dequantised_reference(dtype, num_splits, early_v, v_dim_major,
+                                                                   transposed):
+    """The padded kernel (V loaded before or beside the softmax, either V layout) and the transposed one
+    (kernels_transposed.py: V dim-major only) against the dequantised reference."""
     from furlong.engine.kernels import paged_decode_attention
     from furlong.engine.kv_cache import decode_attention_reference
     g = torch.Generator(device=DEV).manual_seed(num_splits)
@@ -91,7 +95,7 @@ def test_paged_decode_attention_fp8_matches_dequantised_reference(dtype, num_spl
     tables = torch.randint(1, pages, (rows, width), device=DEV, generator=g, dtype=torch.int32)
     q = torch.randn(rows, hq, d, device=DEV, generator=g).to(dtype)
     out = paged_decode_attention(q, keys, values, tables, lens, num_splits, key_scales=ks, value_scales=vs,
-                                 early_v=early_v)
+                                 early_v=early_v, transposed=transposed)
     ref = decode_attention_reference(q.double(), keys, values, tables, lens, ks, vs)
     assert torch.isfinite(out).all() and out[0].abs().max() == 0
     assert rel_err(out, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
@@ -159,6 +163,31 @@ def test_engine_vs_trainer_log_prob_gap_bf16_and_fp8_kv():
         gaps[kv] = torch.cat(diffs).mean().item()
     print(f"engine-vs-trainer mean |log-prob gap|: bf16 KV {gaps['bf16']:.5f}, fp8 KV {gaps['fp8_e4m3']:.5f}")
     assert gaps["bf16"] <= 0.01 and gaps["fp8_e4m3"] <= 0.05
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the whole engine on CUDA")
+@torch.inference_mode()
+def test_engine_transposed_fp8_kernel_matches_padded():
+    """The engine's fp8 decode with the transposed kernel (ModelRunner.transposed_fp8) against the padded
+    one, greedy on the same model and prompts: the runs differ only in the attention's summation order,
+    so the tokens agree until a near-tie flips (none in the first 50 of a row) and their log-probs agree
+    within a small bound; several rows, split counts from the engine's rule."""
+    from furlong.engine import Engine, EngineConfig, Request, SamplingParams
+    from test_engine_gpu import NullTok, small_model
+    model = small_model(torch.bfloat16, layers=4, std=0.02, embed_std=0.1)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in (7, 64, 65, 300, 500)]
+    runs = {}
+    for transposed in (False, True):
+        eng = Engine(model, NullTok(), [], EngineConfig(max_model_len=900, max_num_seqs=16, kv_dtype="fp8_e4m3"))
+        eng.runner.transposed_fp8 = transposed
+        runs[transposed] = eng.generate([Request(i, p, SamplingParams(temperature=0.0, max_new_tokens=200,
+                                                                      ignore_eos=True)) for i, p in enumerate(prompts)])
+        eng.release()
+    for a, b in zip(runs[False], runs[True]):
+        same = next((i for i, (x, y) in enumerate(zip(a[0].token_ids, b[0].token_ids)) if x != y), 200)
+        assert same >= 50, (same, a[0].token_ids[:same + 1], b[0].token_ids[:same + 1])
+        assert max(abs(x - y) for x, y in zip(a[0].log_probs[:same], b[0].log_probs[:same])) < 2e-2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the whole engine on CUDA")

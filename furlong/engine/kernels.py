@@ -165,7 +165,7 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
                            prefix: PrefixGroups | None = None, group_splits: int = 1,
                            key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None,
                            num_warps: int | None = None, num_stages: int = 2,
-                           early_v: bool | None = None) -> torch.Tensor:
+                           early_v: bool | None = None, transposed: bool = False) -> torch.Tensor:
     """q [B, Hq, D]; keys/values [num_pages, Hkv, page, D]; block_tables [B, max_pages] int32;
     context_lens [B] int32 -> [B, Hq, D] in q's dtype (zeros where context_lens is 0).
     fp8 cache: keys/values float8_e4m3fn, key/value_scales [num_pages, Hkv, page] float32 (same strides).
@@ -174,7 +174,9 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     row's pages must hold a finite value, past its context too (the engine zeroes such a cache).
     prefix (cascade): rows that share their first tokens' KV read it once per group (see PrefixGroups),
     each group's prefix split `group_splits` ways; the first B // group_splits groups are read. A
-    grouped row's prefix must be shorter than its context (the engine's always is: it holds the prompt)."""
+    grouped row's prefix must be shorter than its context (the engine's always is: it holds the prompt).
+    transposed: an fp8 cache's launches without cascade groups run kernels_transposed.py's kernel (the
+    KV tokens as the dots' rows; not yet measured on a GPU); others ignore it."""
     num_rows, num_heads, dim = q.shape
     _, num_kv, page, _ = keys.shape
     group = num_heads // num_kv
@@ -215,17 +217,22 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     else:
         pl = gr = gp = context_lens     # unused
         members = 1
-    _decode_attn_kernel[(num_rows, num_kv, num_splits + 1 if cascade else num_splits)](
-        q, keys, values, ks, vs, block_tables, context_lens, pl, gr, gp, part, lse, out,
-        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
-        ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0, block_tables.stride(0),
-        gr.stride(0), part.stride(0), part.stride(1), part.stride(2) if not direct else 0, lse.stride(0),
-        lse.stride(1), out.stride(0), out.stride(1), 1.0 / math.sqrt(dim), num_splits,
-        group_splits, GROUP=group, QP=qp, MEMBERS=members, D=dim, PAGE=page, BLOCK_N=block_n,
-        DIRECT=direct, CASCADE=cascade, FP8=fp8, V_DIM_MAJOR=v_dim_major,
-        DOT=tl.float32 if q.dtype == torch.float32 else tl.float16,   # fp8 tiles' dot dtype (docstring)
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", EARLY_V=early_v, num_warps=num_warps,
-        num_stages=num_stages)
+    if transposed and fp8 and v_dim_major and not cascade:
+        from furlong.engine.kernels_transposed import launch_transposed
+        launch_transposed(q, keys, values, key_scales, value_scales, block_tables, context_lens, num_splits,
+                          block_n, part, lse, out, direct, num_warps, num_stages)
+    else:
+        _decode_attn_kernel[(num_rows, num_kv, num_splits + 1 if cascade else num_splits)](
+            q, keys, values, ks, vs, block_tables, context_lens, pl, gr, gp, part, lse, out,
+            q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+            ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0, block_tables.stride(0),
+            gr.stride(0), part.stride(0), part.stride(1), part.stride(2) if not direct else 0, lse.stride(0),
+            lse.stride(1), out.stride(0), out.stride(1), 1.0 / math.sqrt(dim), num_splits,
+            group_splits, GROUP=group, QP=qp, MEMBERS=members, D=dim, PAGE=page, BLOCK_N=block_n,
+            DIRECT=direct, CASCADE=cascade, FP8=fp8, V_DIM_MAJOR=v_dim_major,
+            DOT=tl.float32 if q.dtype == torch.float32 else tl.float16,   # fp8 tiles' dot dtype (docstring)
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", EARLY_V=early_v, num_warps=num_warps,
+            num_stages=num_stages)
     if not direct:
         _combine_kernel[(num_rows, num_heads)](
             part, lse, out, pl, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),

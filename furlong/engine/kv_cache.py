@@ -200,6 +200,7 @@ class DecodeContext:
     use_triton: bool
     prefix: PrefixGroups | None = None   # cascade: rows forked from one prompt read its KV once (cascade.py)
     group_splits: int = 1                # cascade: KV-length splits of each group's prefix
+    transposed: bool = False             # fp8: kernels_transposed.py's kernel (kernels.paged_decode_attention)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.write(layer, self.page, self.offset, k, v)
@@ -221,7 +222,8 @@ class DecodeContext:
         if self.use_triton:
             from furlong.engine.kernels import paged_decode_attention
             return paged_decode_attention(q, c.keys, c.values, self.block_tables, self.context_lens, self.num_splits,
-                                          prefix=self.prefix, group_splits=self.group_splits, **scales)
+                                          prefix=self.prefix, group_splits=self.group_splits,
+                                          transposed=self.transposed, **scales)
         if self.prefix is not None:
             return cascade_attention_reference(q, c.keys, c.values, self.block_tables, self.context_lens,
                                                self.prefix, **scales)

@@ -77,15 +77,15 @@ class ModelRunner:
         self.cascade = cascade                # may be switched between decode windows (graphs exist for both)
         self.members = cascade_members(self.args.num_heads, self.args.num_kv_heads)   # rows per cascade group
         self.cascade_min_prefix = cascade_min_prefix   # shortest shared prompt worth a group (tokens)
-        # the decode kernel's split count: "programs" (splits.program_splits) or "waves" (splits.wave_splits:
-        # faster per layer at some batches, a tie over the long rollout; splits.py); may be switched
-        # between decode windows (graphs are per count)
+        # the decode kernel's split count: "programs" (splits.program_splits) or "waves" (splits.wave_splits,
+        # a tie over the long rollout: splits.py); may be switched between decode windows (graphs are per count)
         self.split_rule = "programs"
-        # decode steps on CUDA: qk-norm, RoPE and the KV store in one kernel per layer
-        # (store_kernels.decode_prologue) instead of the compiled q and k kernels and store_kv (3 launches);
-        # set before the first decode window (a captured graph keeps the path it was captured with);
-        # off: the unfused path, for benches (store_kernels.py has the measurement)
+        # Set before the first decode window (a captured graph keeps the path it was captured with), or clear
+        # `graphs`: decode steps on CUDA norm and rope q and k and store the KV in one kernel per layer
+        # (store_kernels.decode_prologue; off: the unfused path, for benches). An fp8 cache's attention runs
+        # kernels_transposed.py's kernel where transposed_fp8 is set (benches; not yet measured on a GPU).
         self.fuse_prologue = True
+        self.transposed_fp8 = False
         self.pool = None
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.on_gpu else 1
         self.cache_memory = CacheMemory(self.layout, self.device)   # the KV cache's bytes per session
@@ -241,7 +241,7 @@ class ModelRunner:
         page = x.block_tables.gather(1, (x.positions // self.page_size)[:, None]).squeeze(1).long()
         ctx = DecodeContext(self.cache, page, x.positions % self.page_size, x.block_tables,
                             (x.positions + 1).to(torch.int32), splits, self.on_gpu,
-                            x.groups if cascade else None, self.group_splits(rows))
+                            x.groups if cascade else None, self.group_splits(rows), self.transposed_fp8)
         fused = ctx.attend_qkv if self.on_gpu and self.fuse_prologue else None
         logits = self.forward.logits(self.forward.hidden(x.input_ids, x.positions, ctx.attend, fused))
         tok, lp = self.sample(logits, x.sampling(x.positions + 1), truncate)

@@ -1,0 +1,105 @@
+"""The fp8 decode attention kernel, transposed: the KV tile's tokens as the dots' rows (CUDA only).
+
+kernels.py's kernel computes S = Q.K^T with a program's GQA group of query heads as the dot's rows,
+padded to 16 (tensor-core tiles are 16 rows tall): for Qwen3-0.6B's group of 2, 14 of the 16 rows are
+padding, and every elementwise step of the online softmax (key scales, masking, max, exp, value scales)
+and the P.V dot pay for them. Here the same products run transposed,
+
+    S^T = K . Q^T        [BLOCK_N tokens, GP heads]   (K: A operand, token-major as stored)
+    O^T += V^T . P^T     [D, GP]                      (V^T: A operand, the fp8 cache's dim-major V as stored)
+
+so the group is the dots' column dimension, which an sm_80/sm_90 mma tile holds 8 wide (Triton 3.6
+pads a narrower one, min_dot_size): the padding is 8/GROUP, not 16/GROUP. Compiled for sm_90 offline
+(bench/kernel_sass.py --kernel transposed; 1 warp, 2 stages, the 0.6B shape): the KV-tile loop is 1,063
+SASS instructions per warp against the padded kernel's 1,615, half its HMMAs (64 against 128) and FMULs
+(152 against 296), 236 registers against 255; the 256 fp8 -> fp16 converts of a tile's K and V are
+the same in both. A group of 16 columns compiles to 1,574: the saving is the padding. Whether it is
+faster on a GPU is not measured (kernels.paged_decode_attention's `transposed`, off by default).
+
+Same inputs, scales, splits and outputs as the padded kernel's non-cascade programs (kernels.py's
+docstring), so its partial outputs go to the same combine kernel. fp8 only, V dim-major only, no
+cascade groups (their programs hold up to 16 real rows and keep the padded kernel).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_attn_transposed_kernel(Q, K, V, KS, VS, BT, CL, O, LSE, OUT,
+                                   s_qb, s_qh, s_kp, s_kh, s_ks, s_sp, s_sh, s_bt, s_ob, s_oh, s_os, s_lb, s_lh,
+                                   s_outb, s_outh, scale, num_splits,
+                                   GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                                   BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT: tl.constexpr,
+                                   PRECISION: tl.constexpr):
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    n = tl.arange(0, BLOCK_N)
+    heads = kvh * GROUP + g
+    hmask = g < GROUP
+    hi = tl.load(CL + row)
+    per_split = tl.cdiv(tl.cdiv(hi, BLOCK_N), num_splits)
+    t0 = sp * per_split
+    t1 = tl.minimum(t0 + per_split, tl.cdiv(hi, BLOCK_N))
+    # Q^T [D, GP]; fp16 for the dots, as the padded kernel (e4m3 widens to fp16 in one instruction)
+    qt = tl.load(Q + row * s_qb + heads[None, :] * s_qh + d[:, None], mask=hmask[None, :], other=0.0).to(DOT)
+    m = tl.full([GP], float("-inf"), tl.float32)
+    l = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([D, GP], tl.float32)
+    for t in range(t0, t1):
+        start = t * BLOCK_N
+        page = tl.load(BT + row * s_bt + start // PAGE).to(tl.int64)
+        base = page * s_kp + kvh * s_kh
+        slot = tl.multiple_of(start % PAGE, BLOCK_N) + n
+        valid = (start + n) < hi
+        k = tl.load(K + base + slot[:, None] * s_ks + d[None, :], mask=valid[:, None], other=0.0)   # [N, D]
+        # V^T [D, N], tokens contiguous: unmasked (16-byte loads), slots past the context hold finite
+        # values (the engine zeroes the cache) that p weighs by exactly 0
+        v = tl.load(V + base + slot[None, :] + d[:, None] * PAGE)
+        s_off = page * s_sp + kvh * s_sh + slot                                                    # [N] scales
+        st = tl.dot(k.to(DOT), qt, input_precision=PRECISION)                                     # [N, GP] fp32
+        st = st * (tl.load(KS + s_off, mask=valid, other=0.0) * scale)[:, None]
+        st = tl.where(valid[:, None], st, float("-inf"))
+        m_new = tl.maximum(m, tl.max(st, 0))   # finite: every tile in range holds a token
+        p = tl.exp(st - m_new[None, :])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, 0)
+        # value scales relative to the tile's largest (fp16's normal range), the largest after the dot
+        vsc = tl.load(VS + s_off, mask=valid, other=0.0)
+        vmax = tl.maximum(tl.max(vsc, 0), 1e-30)
+        pv = p * (vsc / vmax)[:, None]
+        acc = acc * alpha[None, :] + tl.dot(v.to(DOT), pv.to(DOT), input_precision=PRECISION) * vmax
+        m = m_new
+    has = l > 0
+    safe = tl.where(has, l, 1.0)
+    out = acc / safe[None, :]                                                                     # [D, GP]
+    if DIRECT:
+        tl.store(OUT + row * s_outb + heads[None, :] * s_outh + d[:, None], out.to(OUT.dtype.element_ty),
+                 mask=hmask[None, :])
+    else:
+        tl.store(O + row * s_ob + heads[None, :] * s_oh + sp * s_os + d[:, None], out, mask=hmask[None, :])
+        tl.store(LSE + row * s_lb + heads * s_lh + sp, tl.where(has, m + tl.log(safe), float("-inf")), mask=hmask)
+
+
+def launch_transposed(q, keys, values, key_scales, value_scales, block_tables, context_lens, num_splits: int,
+                      block_n: int, part, lse, out, direct: bool, num_warps: int, num_stages: int) -> None:
+    """The kernel over grid (rows, KV heads, splits), arguments as kernels.paged_decode_attention prepares
+    them (part/lse: the split partials, unused when `direct`)."""
+    num_rows, num_heads, dim = q.shape
+    _, num_kv, page, _ = keys.shape
+    group = num_heads // num_kv
+    _decode_attn_transposed_kernel[(num_rows, num_kv, num_splits)](
+        q, keys, values, key_scales, value_scales, block_tables, context_lens, part, lse, out,
+        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), key_scales.stride(0),
+        key_scales.stride(1), block_tables.stride(0), part.stride(0), part.stride(1),
+        part.stride(2) if not direct else 0, lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+        1.0 / math.sqrt(dim), num_splits, GROUP=group, GP=max(8, triton.next_power_of_2(group)), D=dim, PAGE=page,
+        BLOCK_N=block_n, DIRECT=direct, DOT=tl.float32 if q.dtype == torch.float32 else tl.float16,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages)
