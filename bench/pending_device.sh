@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The device measurements still owed by the open issues, batched into device calls
 # whose pieces' timeouts add up to <= 560 s, most important first (a session's 30 device minutes hold
-# about three, fewer when starts fail):
-#   bash bench/pending_device.sh call0|h200|h100|either|rows|levers|call1|call2|call3
+# about three, fewer when starts fail).
 # Run on an H200 in session 23 (BENCHMARKS.md): `either` (its h200 branch: 8B trains, 15.7 s a train step; the
-# long rollout 51.4 s fp8, 75.5 s bf16) and call2's decode probe. Still owed: whether 8B fits an H100 now that
-# the compiled layers survive the small probes (`h100`), issue 20's unmeasured table rows (`rows`), and issue
-# 21's long rollout <= 40 s (not a measurement: 51.4 s on the H200).
+# long rollout 51.4 s fp8, 75.5 s bf16) and call2's decode probe. Still owed, most important first: the
+# transposed fp8 kernel (`transposed`: issue 21's long rollout, 51.4 s on the H200 against <= 40 s), issue
+# 20's unmeasured table rows (`rows`), the decode matmuls against other kernels (`levers`), whether 8B fits an
+# H100 now that the compiled layers survive the small probes (`h100`).
+#   bash bench/pending_device.sh transposed|rows|levers|h100|call0|h200|either|call1|call2|call3
 # call0  Qwen3-8B full-parameter with --optimizer-cpu-offload (issue 20: trains, step time), on an H200 only
 #        (on an H100 the plan refuses it: 75 GiB of 72 usable from the 4096/8192 probes, and its 1024-token
 #        probes ran out of memory, BENCHMARKS.md session 22), with the engine's weights released (the
@@ -20,6 +21,11 @@
 # either h200 on an H200, h100 on an H100 (for a call that may get either card)
 # rows   issue 20's table rows never measured, on an H200: Qwen3-1.7B full-parameter under the memory plan, and
 #        LoRA (rank 64, all linear) at 0.6B, 1.7B and 4B (the seed step's shape, `furlong bench` train + rollout)
+# transposed  kernels_transposed.py's fp8 kernel (the KV tokens as the dots' rows; 1,063 SASS instructions a
+#        tile against the padded kernel's 1,615, offline), never run on a GPU: the fp8 GPU tests (its kernel
+#        against the dequantised reference, the engine with it against the padded kernel), one layer beside
+#        the padded kernel at the long rollout's shapes (bulk, mid, tail), then the long rollout with each
+#        on one engine (fitted split, by running rows). If it is faster, make it the engine's default.
 # levers issue 21's long rollout (<= 40 s) could take, measured before building either: the decode step's
 #        matmuls as cuBLAS, cuBLASLt and inductor's autotuned Triton templates (static and dynamic M) at the
 #        long rollout's running rows (bench/decode_gemm_sweep.py: are the ~0.45-0.6 ms a step they spend over
@@ -76,6 +82,17 @@ rows)
     row seed_lora 90 --workload bench/seed_workload.json "${lora[@]}"
     row qwen3_1p7b_lora 110 --workload bench/qwen3_1p7b_workload.json "${lora[@]}"
     row qwen3_4b_lora 200 --workload bench/qwen3_4b_workload.json "${lora[@]}" ;;
+transposed)
+    timeout -k 10 120 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging --timeout=90 \
+        tests/test_kv_fp8_gpu.py >"$OUT/fp8_gpu_tests.log" 2>&1
+    echo "== fp8 GPU tests: exit $?"; grep -E "passed|failed|FAILED|Error" "$OUT/fp8_gpu_tests.log" | tail -6
+    timeout -k 10 120 python3 bench/decode_kernel_sweep.py --quick --kv fp8,fp8_t --warps 1,2 --stages 2 \
+        --batch 256,64,12 --context 4096,8192 --out "$OUT" >"$OUT/decode_kernel_sweep.log" 2>&1
+    echo "== fp8 padded vs transposed, one layer: exit $?"; grep -E "B=|compiled|Error" "$OUT/decode_kernel_sweep.log"
+    timeout -k 10 300 python3 bench/rollout_time_split.py --workload bench/long_workload.json --kv-dtype fp8_e4m3 \
+        --fp8-kernel padded,transposed --out "$OUT" >"$OUT/rollout_time_split.log" 2>&1
+    echo "== long rollout, padded vs transposed: exit $?"
+    grep -E "s = fixed|\(steady|warm-up rollout|Error" "$OUT/rollout_time_split.log" ;;
 levers)
     timeout -k 10 330 python3 bench/decode_gemm_sweep.py --batch 256,128,64,16 --shapes qkv,o,gate_up,down \
         --impl cublas,cublaslt,autotune,autotune-dynamic --out "$OUT" >"$OUT/decode_gemm_sweep.log" 2>&1
@@ -106,5 +123,5 @@ call3)
         python3 -c "import json, sys; g = json.load(open(sys.argv[1]))['rollout_logprob_abs_diff']; \
 print('mean |trainer - engine| log-prob', round(sum(v for _, v in g) / max(1, len(g)), 5))" "$OUT/demo_${v}_evals.json"
     done ;;
-*) echo "usage: bash bench/pending_device.sh call0|h200|h100|either|rows|levers|call1|call2|call3"; exit 2 ;;
+*) echo "usage: bash bench/pending_device.sh transposed|rows|levers|h100|call0|h200|either|call1|call2|call3"; exit 2 ;;
 esac
