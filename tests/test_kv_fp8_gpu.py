@@ -101,6 +101,34 @@ def test_paged_decode_attention_fp8_matches_dequantised_reference(dtype, num_spl
     assert rel_err(out, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_fp8_decode_ignores_nan_keys_and_scales_past_the_context(transposed):
+    """A key slot past a row's context holds whatever its memory held (the engine zeroes only the V cache):
+    NaN bytes in those keys, their scales and the value scales must not reach the output. The transposed
+    kernel loads such keys and key scales unmasked; the padded one masks them."""
+    from furlong.engine.kernels import paged_decode_attention
+    from furlong.engine.kv_cache import decode_attention_reference
+    g = torch.Generator(device=DEV).manual_seed(4)
+    rows, hq, hkv, d, page, pages, _ = SHAPE
+    keys, values, ks, vs = fp8_cache(pages, hkv, page, d, g)
+    width = 3
+    tables = (1 + torch.randperm(pages - 1, device=DEV, generator=g)[:rows * width]).view(rows, width).to(torch.int32)
+    lens = torch.tensor([1, page - 1, page + 1, 2 * page + 5, 3 * page - 3, 3 * page] * 3, device=DEV,
+                        dtype=torch.int32)[:rows]
+    q = torch.randn(rows, hq, d, device=DEV, generator=g)
+    ref = decode_attention_reference(q.double(), keys, values, tables, lens, ks, vs)
+    for r in range(rows):                              # every row owns its pages: poison past its context
+        for slot in range(int(lens[r]), width * page):
+            p, o = int(tables[r, slot // page]), slot % page
+            keys[p, :, o].view(torch.uint8).fill_(0x7F)                     # e4m3 NaN
+            ks[p, :, o] = float("nan")
+            vs[p, :, o] = float("nan")
+    out = paged_decode_attention(q, keys, values, tables, lens, 3, key_scales=ks, value_scales=vs,
+                                 transposed=transposed)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 1e-5
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_splits,group_splits", [(1, 1), (3, 4), (8, 2), (1, 6)])
 def test_cascade_decode_attention_fp8_matches_dequantised_reference(dtype, num_splits, group_splits):

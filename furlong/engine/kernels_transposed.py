@@ -10,11 +10,12 @@ and the P.V dot pay for them. Here the same products run transposed,
 
 so the group is the dots' column dimension, which an sm_80/sm_90 mma tile holds 8 wide (Triton 3.6
 pads a narrower one, min_dot_size): the padding is 8/GROUP, not 16/GROUP. Compiled for sm_90 offline
-(bench/kernel_sass.py --kernel transposed; 1 warp, 2 stages, the 0.6B shape): the KV-tile loop is 1,063
-SASS instructions per warp against the padded kernel's 1,615, half its HMMAs (64 against 128) and FMULs
-(152 against 296), 236 registers against 255; the 256 fp8 -> fp16 converts of a tile's K and V are
-the same in both. A group of 16 columns compiles to 1,574: the saving is the padding. Whether it is
-faster on a GPU is not measured (kernels.paged_decode_attention's `transposed`, off by default).
+(bench/kernel_sass.py --transposed; 1 warp, 2 stages, the 0.6B shape): the KV-tile loop is 974 SASS
+instructions per warp against the padded kernel's 1,615: half its HMMAs (64 against 128) and FMULs (152
+against 296), 228 registers against 255; the 256 fp8 -> fp16 converts of a tile's K and V are the same
+in both. With masked K loads it compiled to 1,063 at 8 columns and 1,574 at 16: most of the saving is
+the padding, ~90 instructions the unmasked K loads (below). Whether it is faster on a GPU is not
+measured (kernels.paged_decode_attention's `transposed`, off by default).
 
 Same inputs, scales, splits and outputs as the padded kernel's non-cascade programs (kernels.py's
 docstring), so its partial outputs go to the same combine kernel. fp8 only, V dim-major only, no
@@ -59,14 +60,16 @@ def _decode_attn_transposed_kernel(Q, K, V, KS, VS, BT, CL, O, LSE, OUT,
         base = page * s_kp + kvh * s_kh
         slot = tl.multiple_of(start % PAGE, BLOCK_N) + n
         valid = (start + n) < hi
-        k = tl.load(K + base + slot[:, None] * s_ks + d[None, :], mask=valid[:, None], other=0.0)   # [N, D]
-        # V^T [D, N], tokens contiguous: unmasked (16-byte loads), slots past the context hold finite
-        # values (the engine zeroes the cache) that p weighs by exactly 0
+        # K [N, D] and its scales unmasked (no predicates: 974 instructions a tile against 1,063 masked):
+        # a slot past the context is inside the row's page, and whatever it holds, NaN bytes included,
+        # stays in its own row of S^T, which the `where` below replaces
+        k = tl.load(K + base + slot[:, None] * s_ks + d[None, :])
+        # V^T [D, N], tokens contiguous: unmasked (16-byte loads) too, but p weighs a slot past the context
+        # by 0, and 0 * NaN is NaN: the engine zeroes the V cache when it maps it
         v = tl.load(V + base + slot[None, :] + d[:, None] * PAGE)
         s_off = page * s_sp + kvh * s_sh + slot                                                    # [N] scales
         st = tl.dot(k.to(DOT), qt, input_precision=PRECISION)                                     # [N, GP] fp32
-        st = st * (tl.load(KS + s_off, mask=valid, other=0.0) * scale)[:, None]
-        st = tl.where(valid[:, None], st, float("-inf"))
+        st = tl.where(valid[:, None], st * (tl.load(KS + s_off) * scale)[:, None], float("-inf"))
         m_new = tl.maximum(m, tl.max(st, 0))   # finite: every tile in range holds a token
         p = tl.exp(st - m_new[None, :])
         alpha = tl.exp(m - m_new)
