@@ -105,9 +105,12 @@ def test_paged_decode_attention_fp8_matches_dequantised_reference(dtype, num_spl
 def test_fp8_decode_ignores_nan_keys_and_scales_past_the_context(transposed):
     """A key slot past a row's context holds whatever its memory held (the engine zeroes only the V cache):
     NaN bytes in those keys, their scales and the value scales must not reach the output. The transposed
-    kernel loads such keys and key scales unmasked; the padded one masks them."""
+    kernel loads such keys and key scales unmasked; the padded one masks them. One row's middle page holds
+    all-zero values (their scales at the quantiser's floor), which the transposed kernel's accumulator
+    is rescaled through."""
     from furlong.engine.kernels import paged_decode_attention
     from furlong.engine.kv_cache import decode_attention_reference
+    from furlong.engine.kv_fp8 import MIN_SCALE
     g = torch.Generator(device=DEV).manual_seed(4)
     rows, hq, hkv, d, page, pages, _ = SHAPE
     keys, values, ks, vs = fp8_cache(pages, hkv, page, d, g)
@@ -116,6 +119,8 @@ def test_fp8_decode_ignores_nan_keys_and_scales_past_the_context(transposed):
     lens = torch.tensor([1, page - 1, page + 1, 2 * page + 5, 3 * page - 3, 3 * page] * 3, device=DEV,
                         dtype=torch.int32)[:rows]
     q = torch.randn(rows, hq, d, device=DEV, generator=g)
+    values[int(tables[4, 1])].view(torch.uint8).zero_()                 # row 4: 3 pages, the middle one zero
+    vs[int(tables[4, 1])] = MIN_SCALE
     ref = decode_attention_reference(q.double(), keys, values, tables, lens, ks, vs)
     for r in range(rows):                              # every row owns its pages: poison past its context
         for slot in range(int(lens[r]), width * page):

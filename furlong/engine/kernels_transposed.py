@@ -10,12 +10,14 @@ and the P.V dot pay for them. Here the same products run transposed,
 
 so the group is the dots' column dimension, which an sm_80/sm_90 mma tile holds 8 wide (Triton 3.6
 pads a narrower one, min_dot_size): the padding is 8/GROUP, not 16/GROUP. Compiled for sm_90 offline
-(bench/kernel_sass.py --transposed; 1 warp, 2 stages, the 0.6B shape): the KV-tile loop is 974 SASS
-instructions per warp against the padded kernel's 1,615: half its HMMAs (64 against 128) and FMULs (152
-against 296), 228 registers against 255; the 256 fp8 -> fp16 converts of a tile's K and V are the same
-in both. With masked K loads it compiled to 1,063 at 8 columns and 1,574 at 16: most of the saving is
-the padding, ~90 instructions the unmasked K loads (below). Whether it is faster on a GPU is not
-measured (kernels.paged_decode_attention's `transposed`, off by default).
+(bench/kernel_sass.py --transposed; 1 warp, 2 stages, the 0.6B shape): the KV-tile loop is 958 SASS
+instructions per warp against the padded kernel's 1,615: half its HMMAs (64 against 128) and about
+half its FMULs (157 against 296), 206 registers against 255 (9 one-warp programs per multiprocessor
+instead of 8); the 256 fp8 -> fp16 converts of a tile's K and V are the same in both. At 2 warps: 555
+per warp, 162 registers. Written as the padded kernel's loop, masked K loads and all, it compiled to
+1,063 at 8 columns and 1,574 at 16: most of the saving is the padding; the unmasked K loads and the
+accumulation into the dot (below) take ~100 more. Whether it is faster on a GPU is not measured
+(kernels.paged_decode_attention's `transposed`, off by default).
 
 Same inputs, scales, splits and outputs as the padded kernel's non-cascade programs (kernels.py's
 docstring), so its partial outputs go to the same combine kernel. fp8 only, V dim-major only, no
@@ -54,6 +56,7 @@ def _decode_attn_transposed_kernel(Q, K, V, KS, VS, BT, CL, O, LSE, OUT,
     m = tl.full([GP], float("-inf"), tl.float32)
     l = tl.zeros([GP], tl.float32)
     acc = tl.zeros([D, GP], tl.float32)
+    unit = 1.0
     for t in range(t0, t1):
         start = t * BLOCK_N
         page = tl.load(BT + row * s_bt + start // PAGE).to(tl.int64)
@@ -74,15 +77,21 @@ def _decode_attn_transposed_kernel(Q, K, V, KS, VS, BT, CL, O, LSE, OUT,
         p = tl.exp(st - m_new[None, :])
         alpha = tl.exp(m - m_new)
         l = l * alpha + tl.sum(p, 0)
-        # value scales relative to the tile's largest (fp16's normal range), the largest after the dot
+        # value scales relative to the tile's largest, so p * scale stays in fp16's normal range. acc is
+        # kept in units of the latest tile's largest scale, so the dot accumulates into it (no separate
+        # multiply and add: 958 instructions a tile against 974, 206 registers against 228). The floor
+        # bounds how far a tile of tiny values scales acc up: |acc| <= tokens x max|v| / floor, ~1e27 at
+        # 1e5 tokens of |v| <= 1e10, far inside fp32 (a tile of values all under 448 x 2^-40 is read
+        # at fp16's subnormal precision)
         vsc = tl.load(VS + s_off, mask=valid, other=0.0)
-        vmax = tl.maximum(tl.max(vsc, 0), 1e-30)
+        vmax = tl.maximum(tl.max(vsc, 0), 9.094947017729282e-13)      # 2^-40
         pv = p * (vsc / vmax)[:, None]
-        acc = acc * alpha[None, :] + tl.dot(v.to(DOT), pv.to(DOT), input_precision=PRECISION) * vmax
+        acc = tl.dot(v.to(DOT), pv.to(DOT), acc=acc * (alpha * (unit / vmax))[None, :], input_precision=PRECISION)
+        unit = vmax
         m = m_new
     has = l > 0
     safe = tl.where(has, l, 1.0)
-    out = acc / safe[None, :]                                                                     # [D, GP]
+    out = acc * (unit / safe)[None, :]                                                                   # [D, GP]
     if DIRECT:
         tl.store(OUT + row * s_outb + heads[None, :] * s_outh + d[:, None], out.to(OUT.dtype.element_ty),
                  mask=hmask[None, :])
