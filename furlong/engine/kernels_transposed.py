@@ -10,13 +10,13 @@ and the P.V dot pay for them. Here the same products run transposed,
 
 so the group is the dots' column dimension, which an sm_80/sm_90 mma tile holds 8 wide (Triton 3.6
 pads a narrower one, min_dot_size): the padding is 8/GROUP, not 16/GROUP. Compiled for sm_90 offline
-(bench/kernel_sass.py --transposed; 1 warp, 2 stages, the 0.6B shape): the KV-tile loop is 958 SASS
-instructions per warp against the padded kernel's 1,615: half its HMMAs (64 against 128) and about
-half its FMULs (157 against 296), 206 registers against 255 (9 one-warp programs per multiprocessor
-instead of 8); the 256 fp8 -> fp16 converts of a tile's K and V are the same in both. At 2 warps: 555
-per warp, 162 registers. Written as the padded kernel's loop, masked K loads and all, it compiled to
-1,063 at 8 columns and 1,574 at 16: most of the saving is the padding; the unmasked K loads and the
-accumulation into the dot (below) take ~100 more. Whether it is faster on a GPU is not measured
+(bench/kernel_sass.py --transposed; 1 warp, 2 stages, the 0.6B shape): the KV-tile loop is 875 SASS
+instructions per warp against the padded kernel's 1,615: half its HMMAs (64 against 128), a third of
+its FMULs (95 against 296), 205 registers against 255 (9 one-warp programs per multiprocessor instead
+of 8); the 256 fp8 -> fp16 converts of a tile's K and V are the same in both. At 2 warps: 511 per
+warp, 162 registers. Written as the padded kernel's loop (masked K loads, base-e softmax, a separate
+P.V accumulate), it compiled to 1,063 at 8 columns and 1,574 at 16: most of the saving is the padding,
+~190 instructions the three changes (below). Whether it is faster on a GPU is not measured
 (kernels.paged_decode_attention's `transposed`, off by default).
 
 Same inputs, scales, splits and outputs as the padded kernel's non-cascade programs (kernels.py's
@@ -51,8 +51,11 @@ def _decode_attn_transposed_kernel(Q, K, V, KS, VS, BT, CL, O, LSE, OUT,
     per_split = tl.cdiv(tl.cdiv(hi, BLOCK_N), num_splits)
     t0 = sp * per_split
     t1 = tl.minimum(t0 + per_split, tl.cdiv(hi, BLOCK_N))
-    # Q^T [D, GP]; fp16 for the dots, as the padded kernel (e4m3 widens to fp16 in one instruction)
-    qt = tl.load(Q + row * s_qb + heads[None, :] * s_qh + d[:, None], mask=hmask[None, :], other=0.0).to(DOT)
+    # Q^T [D, GP]; fp16 for the dots, as the padded kernel (e4m3 widens to fp16 in one instruction). The
+    # softmax runs in base 2 with 1/sqrt(D) and log2(e) folded into Q (one rounding of q to fp16: 2^-11
+    # relative, against e4m3's 2^-4 on K): two multiplies a score fewer, m and the log-sum-exp in log2 units
+    qt = tl.load(Q + row * s_qb + heads[None, :] * s_qh + d[:, None], mask=hmask[None, :], other=0.0)
+    qt = (qt.to(tl.float32) * (scale * 1.4426950408889634)).to(DOT)
     m = tl.full([GP], float("-inf"), tl.float32)
     l = tl.zeros([GP], tl.float32)
     acc = tl.zeros([D, GP], tl.float32)
@@ -63,7 +66,7 @@ def _decode_attn_transposed_kernel(Q, K, V, KS, VS, BT, CL, O, LSE, OUT,
         base = page * s_kp + kvh * s_kh
         slot = tl.multiple_of(start % PAGE, BLOCK_N) + n
         valid = (start + n) < hi
-        # K [N, D] and its scales unmasked (no predicates: 974 instructions a tile against 1,063 masked):
+        # K [N, D] and its scales unmasked (no predicates: 89 instructions a tile fewer than masked loads):
         # a slot past the context is inside the row's page, and whatever it holds, NaN bytes included,
         # stays in its own row of S^T, which the `where` below replaces
         k = tl.load(K + base + slot[:, None] * s_ks + d[None, :])
@@ -72,14 +75,14 @@ def _decode_attn_transposed_kernel(Q, K, V, KS, VS, BT, CL, O, LSE, OUT,
         v = tl.load(V + base + slot[None, :] + d[:, None] * PAGE)
         s_off = page * s_sp + kvh * s_sh + slot                                                    # [N] scales
         st = tl.dot(k.to(DOT), qt, input_precision=PRECISION)                                     # [N, GP] fp32
-        st = tl.where(valid[:, None], st * (tl.load(KS + s_off) * scale)[:, None], float("-inf"))
+        st = tl.where(valid[:, None], st * tl.load(KS + s_off)[:, None], float("-inf"))
         m_new = tl.maximum(m, tl.max(st, 0))   # finite: every tile in range holds a token
-        p = tl.exp(st - m_new[None, :])
-        alpha = tl.exp(m - m_new)
+        p = tl.exp2(st - m_new[None, :])
+        alpha = tl.exp2(m - m_new)
         l = l * alpha + tl.sum(p, 0)
         # value scales relative to the tile's largest, so p * scale stays in fp16's normal range. acc is
         # kept in units of the latest tile's largest scale, so the dot accumulates into it (no separate
-        # multiply and add: 958 instructions a tile against 974, 206 registers against 228). The floor
+        # multiply and add: 16 instructions a tile fewer, 206 registers against 228). The floor
         # bounds how far a tile of tiny values scales acc up: |acc| <= tokens x max|v| / floor, ~1e27 at
         # 1e5 tokens of |v| <= 1e10, far inside fp32 (a tile of values all under 448 x 2^-40 is read
         # at fp16's subnormal precision)
@@ -97,7 +100,8 @@ def _decode_attn_transposed_kernel(Q, K, V, KS, VS, BT, CL, O, LSE, OUT,
                  mask=hmask[None, :])
     else:
         tl.store(O + row * s_ob + heads[None, :] * s_oh + sp * s_os + d[:, None], out, mask=hmask[None, :])
-        tl.store(LSE + row * s_lb + heads * s_lh + sp, tl.where(has, m + tl.log(safe), float("-inf")), mask=hmask)
+        tl.store(LSE + row * s_lb + heads * s_lh + sp, tl.where(has, m * 0.6931471805599453 + tl.log(safe),
+                                                                 float("-inf")), mask=hmask)   # natural log
 
 
 def launch_transposed(q, keys, values, key_scales, value_scales, block_tables, context_lens, num_splits: int,
