@@ -102,6 +102,23 @@ def test_paged_decode_attention_fp8_matches_dequantised_reference(dtype, num_spl
 
 
 @pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("group", [1, 4])
+def test_fp8_decode_other_gqa_groups(group, transposed):
+    """GQA groups other than the 0.6B shape's 2 (Qwen3-4B/8B: 4; MHA: 1), both kernels, with splits."""
+    from furlong.engine.kernels import paged_decode_attention
+    from furlong.engine.kv_cache import decode_attention_reference
+    g = torch.Generator(device=DEV).manual_seed(5 + group)
+    rows, _, hkv, d, page, pages, longest = SHAPE
+    keys, values, ks, vs = fp8_cache(pages, hkv, page, d, g)
+    lens = torch.randint(1, longest, (rows,), device=DEV, generator=g, dtype=torch.int32)
+    tables = torch.randint(1, pages, (rows, -(-longest // page)), device=DEV, generator=g, dtype=torch.int32)
+    q = torch.randn(rows, group * hkv, d, device=DEV, generator=g)
+    out = paged_decode_attention(q, keys, values, tables, lens, 3, key_scales=ks, value_scales=vs,
+                                 transposed=transposed)
+    assert rel_err(out, decode_attention_reference(q.double(), keys, values, tables, lens, ks, vs)) < 1e-5
+
+
+@pytest.mark.parametrize("transposed", [False, True])
 def test_fp8_decode_ignores_nan_keys_and_scales_past_the_context(transposed):
     """A key slot past a row's context holds whatever its memory held (the engine zeroes only the V cache):
     NaN bytes in those keys, their scales and the value scales must not reach the output. The transposed
