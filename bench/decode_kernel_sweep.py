@@ -130,7 +130,7 @@ def main() -> None:
         for kv in a.kv.split(","):
             fp8 = kv != "bf16"
             base = engine_splits(batch, num_sms)
-            q, k, v, ks, vs, tables, lens, nbytes = build(batch, context, fp8, gen, v_dim_major=kv != "fp8_vtok")
+            q, k, v, ks, vs, tables, lens, nbytes = build(batch, context, fp8, gen, v_dim_major=kv in ("fp8", "fp8_t"))
             transposed = kv == "fp8_t"
             ref = None
             grid = ((64,) if a.quick else (32, 64), (ENGINE_WARPS[kv],) if a.engine_launch else ints(a.warps),
