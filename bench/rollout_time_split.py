@@ -154,7 +154,7 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
     if set(a.fp8_kernel.split(",")) - {"padded", "transposed"}:
-        raise SystemExit(f"--fp8-kernel: padded and/or transposed, got {a.fp8_kernel!r}")
+        ap.error(f"--fp8-kernel: padded and/or transposed, got {a.fp8_kernel!r}")
     w = load_workload(a.workload)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
