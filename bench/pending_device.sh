@@ -83,13 +83,13 @@ rows)
     row qwen3_1p7b_lora 110 --workload bench/qwen3_1p7b_workload.json "${lora[@]}"
     row qwen3_4b_lora 200 --workload bench/qwen3_4b_workload.json "${lora[@]}" ;;
 transposed)
-    timeout -k 10 120 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging --timeout=90 \
+    timeout -k 10 150 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging --timeout=90 \
         tests/test_kv_fp8_gpu.py >"$OUT/fp8_gpu_tests.log" 2>&1
     echo "== fp8 GPU tests: exit $?"; grep -E "passed|failed|FAILED|Error" "$OUT/fp8_gpu_tests.log" | tail -6
-    timeout -k 10 120 python3 bench/decode_kernel_sweep.py --quick --kv fp8,fp8_t --warps 1,2 --stages 2 \
+    timeout -k 10 110 python3 bench/decode_kernel_sweep.py --quick --kv fp8,fp8_t --warps 1,2 --stages 2 \
         --batch 256,64,12 --context 4096,8192 --out "$OUT" >"$OUT/decode_kernel_sweep.log" 2>&1
     echo "== fp8 padded vs transposed, one layer: exit $?"; grep -E "B=|compiled|Error" "$OUT/decode_kernel_sweep.log"
-    timeout -k 10 300 python3 bench/rollout_time_split.py --workload bench/long_workload.json --kv-dtype fp8_e4m3 \
+    timeout -k 10 290 python3 bench/rollout_time_split.py --workload bench/long_workload.json --kv-dtype fp8_e4m3 \
         --fp8-kernel padded,transposed --out "$OUT" >"$OUT/rollout_time_split.log" 2>&1
     echo "== long rollout, padded vs transposed: exit $?"
     grep -E "s = fixed|\(steady|warm-up rollout|Error" "$OUT/rollout_time_split.log" ;;
