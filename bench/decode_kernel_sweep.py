@@ -5,8 +5,9 @@ the engine's page layout from kv_cache.KVLayout with 4 layers interleaved, pages
 B rows at one context length; each setting is timed over CUDA-graph replays (median of 5 x 20)
 and reported with the bandwidth it reaches over the K/V (+ scale) bytes it must read. fp8 V is
 stored dim-major as the engine does (kv_cache.KVLayout.dim_major; `fp8_vtok`: token-major, the
-earlier layout; `fp8_t`: the engine's layout read by the transposed kernel, kernels_transposed.py). The engine's own setting is block_n 64, num_warps 4 (bf16), 1 (fp8) or 2 (fp8_vtok), V's load beside K's for fp8,
-num_stages 2 and the split count of ModelRunner.num_splits (splits.program_splits). Tried and dropped (slower):
+earlier layout; `fp8_t`: the engine's layout read by the transposed kernel, kernels_transposed.py).
+The engine's own setting is block_n 64, num_warps 4 (bf16), 1 (fp8, fp8_t) or 2 (fp8_vtok), V's load
+beside K's for fp8, num_stages 2 and the split count of ModelRunner.num_splits (splits.program_splits). Tried and dropped (slower):
 Q quantised to e4m3 for an fp8 x fp8 Q.K^T dot (no faster, 5x the output error), and K/V tiles dequantised in registers
 before the dots (6x slower); e4m3 widened to fp16 where loaded by an inline-PTX convert, so the dots read
 fp16 with ldmatrix (0.935 against 0.836 ms at B=256 x 4096 on an H100); the rows' own splits on
@@ -19,7 +20,7 @@ the engine kernel at its best setting (B=32/140/256 x 4096, an H100; bench/decod
 commit d262666): fewer programs, each holding 8 heads' tiles, hid less latency than the instructions saved.
 
     python3 bench/decode_kernel_sweep.py [--batch 256,64] [--context 640,4096] [--warps 2,4,8] [--stages 1,2,3,4]
-        [--quick] [--out DIR]
+        [--quick | --block-n 32,64] [--kv bf16,fp8,fp8_vtok,fp8_t] [--out DIR]
 """
 from __future__ import annotations
 
@@ -113,6 +114,7 @@ def main() -> None:
     ap.add_argument("--context", default="640,4096")
     ap.add_argument("--out", default=".")
     ap.add_argument("--quick", action="store_true", help="block_n 64 only")
+    ap.add_argument("--block-n", default=None, help="KV tile sizes (comma list; default 32,64, or 64 with --quick)")
     ap.add_argument("--warps", default="2,4,8")
     ap.add_argument("--stages", default="1,2,3,4")
     ap.add_argument("--splits", default=None,
@@ -133,7 +135,8 @@ def main() -> None:
             q, k, v, ks, vs, tables, lens, nbytes = build(batch, context, fp8, gen, v_dim_major=kv in ("fp8", "fp8_t"))
             transposed = kv == "fp8_t"
             ref = None
-            grid = ((64,) if a.quick else (32, 64), (ENGINE_WARPS[kv],) if a.engine_launch else ints(a.warps),
+            grid = (ints(a.block_n) if a.block_n else (64,) if a.quick else (32, 64),
+                    (ENGINE_WARPS[kv],) if a.engine_launch else ints(a.warps),
                     ints(a.stages), ints(a.splits) if a.splits else sorted({base, base * 2, max(1, base // 2)}),
                     (fp8,) if a.engine_launch or transposed else (False, True))   # transposed: no V-load choice
             for block_n, warps, stages, splits, early_v in itertools.product(*grid):

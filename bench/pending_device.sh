@@ -24,8 +24,10 @@
 # transposed  kernels_transposed.py's fp8 kernel (the KV tokens as the dots' rows; 1,063 SASS instructions a
 #        tile against the padded kernel's 1,615, offline), never run on a GPU: the fp8 GPU tests (its kernel
 #        against the dequantised reference, the engine with it against the padded kernel), one layer beside
-#        the padded kernel at the long rollout's shapes (bulk, mid, tail), then the long rollout with each
-#        on one engine (fitted split, by running rows). If it is faster, make it the engine's default.
+#        the padded kernel at the long rollout's shapes (bulk, mid, tail; 32- and 64-token tiles: at 32 the
+#        transposed kernel needs 127 registers, so 16 one-warp programs fit a multiprocessor, against 9 at
+#        64, for 16% more instructions per byte, offline), then the long rollout with each on one engine
+#        (fitted split, by running rows; 64-token tiles). If it is faster, make it the engine's default.
 # levers issue 21's long rollout (<= 40 s) could take, measured before building either: the decode step's
 #        matmuls as cuBLAS, cuBLASLt and inductor's autotuned Triton templates (static and dynamic M) at the
 #        long rollout's running rows (bench/decode_gemm_sweep.py: are the ~0.45-0.6 ms a step they spend over
@@ -83,10 +85,10 @@ rows)
     row qwen3_1p7b_lora 110 --workload bench/qwen3_1p7b_workload.json "${lora[@]}"
     row qwen3_4b_lora 200 --workload bench/qwen3_4b_workload.json "${lora[@]}" ;;
 transposed)
-    timeout -k 10 150 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging --timeout=90 \
+    timeout -k 10 130 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging --timeout=90 \
         tests/test_kv_fp8_gpu.py >"$OUT/fp8_gpu_tests.log" 2>&1
     echo "== fp8 GPU tests: exit $?"; grep -E "passed|failed|FAILED|Error" "$OUT/fp8_gpu_tests.log" | tail -6
-    timeout -k 10 110 python3 bench/decode_kernel_sweep.py --quick --kv fp8,fp8_t --warps 1,2 --stages 2 \
+    timeout -k 10 140 python3 bench/decode_kernel_sweep.py --block-n 32,64 --kv fp8,fp8_t --warps 1,2 --stages 2 \
         --batch 256,64,12 --context 4096,8192 --out "$OUT" >"$OUT/decode_kernel_sweep.log" 2>&1
     echo "== fp8 padded vs transposed, one layer: exit $?"; grep -E "B=|compiled|Error" "$OUT/decode_kernel_sweep.log"
     timeout -k 10 290 python3 bench/rollout_time_split.py --workload bench/long_workload.json --kv-dtype fp8_e4m3 \
