@@ -71,11 +71,14 @@ def test_script_writes_the_split_and_its_plot(tmp_path):
     path = tmp_path / "w.json"
     path.write_text(json.dumps(w))
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "rollout_time_split.py"), "--workload", str(path),
-                          "--kv-dtype", "auto,fp8_e4m3", "--split-rule", "waves,programs", "--out", str(tmp_path / "out")], capture_output=True,
+                          "--kv-dtype", "auto,fp8_e4m3", "--split-rule", "waves,programs", "--fp8-kernel",
+                          "padded,transposed", "--out", str(tmp_path / "out")], capture_output=True,
                          text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=240)
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads((tmp_path / "out" / "rollout_time_split.json").read_text())
-    assert set(report) == {f"{kv} {rule}" for kv in ("auto", "fp8_e4m3") for rule in ("waves", "programs")}
+    # the transposed kernel's runs for the fp8 cache only (on the CPU both run the reference attention)
+    assert set(report) == ({f"{kv} {rule}" for kv in ("auto", "fp8_e4m3") for rule in ("waves", "programs")}
+                           | {f"fp8_e4m3 {rule} transposed" for rule in ("waves", "programs")})
     for kv, r in report.items():
         assert sum(s["num_steps"] for s in r["steps"]) == 59          # the longest row: 60 tokens, 1 from prefill
         assert r["split"]["seconds"] > 0 and "R^2" in run.stdout
