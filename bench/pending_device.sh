@@ -89,7 +89,7 @@ transposed)
         tests/test_kv_fp8_gpu.py >"$OUT/fp8_gpu_tests.log" 2>&1
     echo "== fp8 GPU tests: exit $?"; grep -E "passed|failed|FAILED|Error" "$OUT/fp8_gpu_tests.log" | tail -6
     timeout -k 10 140 python3 bench/decode_kernel_sweep.py --block-n 32,64 --kv fp8,fp8_t --warps 1,2 --stages 2 \
-        --batch 256,64,12 --context 4096,8192 --out "$OUT" >"$OUT/decode_kernel_sweep.log" 2>&1
+        --batch 256,64,12 --context 6144 --out "$OUT" >"$OUT/decode_kernel_sweep.log" 2>&1
     echo "== fp8 padded vs transposed, one layer: exit $?"; grep -E "B=|compiled|Error" "$OUT/decode_kernel_sweep.log"
     timeout -k 10 290 python3 bench/rollout_time_split.py --workload bench/long_workload.json --kv-dtype fp8_e4m3 \
         --fp8-kernel padded,transposed --out "$OUT" >"$OUT/rollout_time_split.log" 2>&1
