@@ -38,6 +38,16 @@ from furlong.engine.kv_cache import value_layout
 
 
 @triton.jit
+def split_tiles(lo, hi, part, num_parts, BLOCK_N: tl.constexpr):
+    """KV tiles [t0, t1) that split `part` of `num_parts` reads of the tokens [lo, hi): equal runs of the
+    BLOCK_N-token tiles covering them (both kernels; the combine kernel merges the splits' outputs)."""
+    t_lo = lo // BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(hi, BLOCK_N) - t_lo, num_parts)
+    t0 = t_lo + part * per_split
+    return t0, tl.minimum(t0 + per_split, tl.cdiv(hi, BLOCK_N))
+
+
+@triton.jit
 def _decode_attn_kernel(Q, K, V, KS, VS, BT, CL, PL, GR, GP, O, LSE, OUT,
                         s_qb, s_qh, s_kp, s_kh, s_ks, s_sp, s_sh, s_bt, s_gr, s_ob, s_oh, s_os, s_lb, s_lh, s_outb,
                         s_outh, scale, num_splits, group_splits,
@@ -79,10 +89,7 @@ def _decode_attn_kernel(Q, K, V, KS, VS, BT, CL, PL, GR, GP, O, LSE, OUT,
         part = sp
         num_parts = num_splits
     rows = tl.maximum(rows, 0)
-    t_lo = lo // BLOCK_N
-    per_split = tl.cdiv(tl.cdiv(hi, BLOCK_N) - t_lo, num_parts)
-    t0 = t_lo + part * per_split
-    t1 = tl.minimum(t0 + per_split, tl.cdiv(hi, BLOCK_N))
+    t0, t1 = split_tiles(lo, hi, part, num_parts, BLOCK_N)
     q = tl.load(Q + rows[:, None] * s_qb + heads[:, None] * s_qh + d[None, :], mask=hmask[:, None], other=0.0)
     m = tl.full([QP], float("-inf"), tl.float32)
     l = tl.zeros([QP], tl.float32)

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from furlong.engine.kernels import split_tiles
+
 
 @triton.jit
 def _decode_attn_transposed_kernel(Q, K, V, KS, VS, BT, CL, O, LSE, OUT,
@@ -48,9 +50,7 @@ def _decode_attn_transposed_kernel(Q, K, V, KS, VS, BT, CL, O, LSE, OUT,
     heads = kvh * GROUP + g
     hmask = g < GROUP
     hi = tl.load(CL + row)
-    per_split = tl.cdiv(tl.cdiv(hi, BLOCK_N), num_splits)
-    t0 = sp * per_split
-    t1 = tl.minimum(t0 + per_split, tl.cdiv(hi, BLOCK_N))
+    t0, t1 = split_tiles(0, hi, sp, num_splits, BLOCK_N)
     # Q^T [D, GP]; fp16 for the dots, as the padded kernel (e4m3 widens to fp16 in one instruction). The
     # softmax runs in base 2 with 1/sqrt(D) and log2(e) folded into Q (one rounding of q to fp16: 2^-11
     # relative, against e4m3's 2^-4 on K): two multiplies a score fewer, m and the log-sum-exp in log2 units
