@@ -72,18 +72,15 @@ class ModelRunner:
         self.use_cuda_graphs = use_cuda_graphs and self.on_gpu
         self.buckets = [b for b in BATCH_BUCKETS if b < max_num_seqs] + [max_num_seqs]
         self.cache: PagedKVCache | None = None
-        # (rows, truncate, cascade, splits)
-        self.graphs: dict[tuple[int, bool, bool, int], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}   # by (rows, truncate, cascade, splits, the two below)
         self.cascade = cascade                # may be switched between decode windows (graphs exist for both)
         self.members = cascade_members(self.args.num_heads, self.args.num_kv_heads)   # rows per cascade group
         self.cascade_min_prefix = cascade_min_prefix   # shortest shared prompt worth a group (tokens)
         # the decode kernel's split count: "programs" (splits.program_splits) or "waves" (splits.wave_splits,
         # a tie over the long rollout: splits.py); may be switched between decode windows (graphs are per count)
         self.split_rule = "programs"
-        # Set before the first decode window (a captured graph keeps the path it was captured with), or clear
-        # `graphs`: decode steps on CUDA norm and rope q and k and store the KV in one kernel per layer
-        # (store_kernels.decode_prologue; off: the unfused path, for benches). An fp8 cache's attention runs
-        # kernels_transposed.py's kernel where transposed_fp8 is set (benches; not yet measured on a GPU).
+        # switchable between windows (graph key): decode steps norm and rope q, k and store the KV in one kernel
+        # a layer (store_kernels.decode_prologue; off: for benches); fp8 attention by kernels_transposed.py
         self.fuse_prologue = True
         self.transposed_fp8 = False
         self.pool = None
@@ -109,7 +106,7 @@ class ModelRunner:
         self.cache.zero_page(0)        # the scratch page: padded rows read it, keep it finite
         self._group_key = None                # serials restart with the session's scheduler
         if self.inputs is None or self.inputs.max_pages != max_pages_per_seq:
-            self.graphs.clear()
+            self._drop_graphs()
             self.inputs = DecodeInputs(rows, max_pages_per_seq, self.members, dev)
             self.no_threshold = torch.full((rows,), float("-inf"), device=dev)
         self.inputs.forget()
@@ -123,6 +120,7 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def _drop_graphs(self) -> None:
+        # with the pool: capturing into a pool whose graphs are all gone trips the caching allocator's assert
         self.graphs.clear()
         self.pool = None
 
@@ -250,7 +248,8 @@ class ModelRunner:
         x.input_ids.copy_(tok)
         x.positions.add_(1)
 
-    def _capture(self, rows: int, truncate: bool, cascade: bool, splits: int) -> None:
+    def _capture(self, key: tuple[int, bool, bool, int, bool, bool]) -> None:
+        rows, truncate, cascade, splits = key[:4]
         self.inputs.clear(rows)                # padded-row state: position 0, scratch page 0, no groups
         self._step(rows, truncate, cascade, splits)    # warm-up: compiles the Triton kernels
         torch.cuda.synchronize(self.device)
@@ -260,7 +259,7 @@ class ModelRunner:
             self._step(rows, truncate, cascade, splits)
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[(rows, truncate, cascade, splits)] = graph
+        self.graphs[key] = graph
 
     def _groups(self, seqs: list[Sequence], rows: int, key: tuple) -> GroupPlan:
         """plan_groups of this running set (`key`), computed once per running set; none with cascade off."""
@@ -283,9 +282,9 @@ class ModelRunner:
         cascade = bool(groups.groups)
         # the longest context the window reaches (the rows grow by one token a step)
         splits = self.num_splits(num, rows, max(s.num_tokens for s in seqs) + window, cascade)
-        graph_key = (rows, truncate, cascade, splits)
+        graph_key = (rows, truncate, cascade, splits, self.fuse_prologue, self.transposed_fp8)
         if self.use_cuda_graphs and graph_key not in self.graphs:
-            self._capture(*graph_key)     # overwrote the buffers: clear() restages them all
+            self._capture(graph_key)     # overwrote the buffers: clear() restages them all
         self.inputs.stage(seqs, rows, key, groups, self.args.vocab_size)
         toks = torch.empty(window, rows, dtype=torch.int64, device=self.device)
         lps = torch.empty(window, rows, dtype=torch.float32, device=self.device)
