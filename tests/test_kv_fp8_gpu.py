@@ -219,25 +219,41 @@ def test_engine_vs_trainer_log_prob_gap_bf16_and_fp8_kv():
 @torch.inference_mode()
 def test_engine_transposed_fp8_kernel_matches_padded():
     """The engine's fp8 decode with the transposed kernel (ModelRunner.transposed_fp8) against the padded
-    one, greedy on the same model and prompts: the runs differ only in the attention's summation order,
-    so the tokens agree until a near-tie flips (none in the first 50 of a row) and their log-probs agree
-    within a small bound; several rows, split counts from the engine's rule."""
+    one, greedy on the same model and prompts. The runs differ in the attention's rounding (Q scaled
+    before its fp16 cast, base-2 exponent, value scales applied per tile), and a token's K/V written to
+    the fp8 cache moves by a quantisation step when its input moves by less, so the runs' log-probs drift
+    apart along a row (up to 0.06 in 200 tokens on an H100, against 0.04 for the padded kernel at another
+    split count): the bound that matters is each run's gap to the trainer's log-probs, which must agree.
+    Tokens agree until a near-tie flips (none in the first 50 of a row)."""
     from furlong.engine import Engine, EngineConfig, Request, SamplingParams
+    from furlong.trainer.logprobs import chunked_log_probs
     from test_engine_gpu import NullTok, small_model
     model = small_model(torch.bfloat16, layers=4, std=0.02, embed_std=0.1)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in (7, 64, 65, 300, 500)]
-    runs = {}
+    runs, gaps = {}, {}
     for transposed in (False, True):
         eng = Engine(model, NullTok(), [], EngineConfig(max_model_len=900, max_num_seqs=16, kv_dtype="fp8_e4m3"))
         eng.runner.transposed_fp8 = transposed
         runs[transposed] = eng.generate([Request(i, p, SamplingParams(temperature=0.0, max_new_tokens=200,
                                                                       ignore_eos=True)) for i, p in enumerate(prompts)])
         eng.release()
+        diffs = []
+        for p, comps in zip(prompts, runs[transposed]):
+            ids = torch.tensor(p + comps[0].token_ids, device="cuda")
+            cu = torch.tensor([0, len(ids)], dtype=torch.int32, device="cuda")
+            hidden = model.forward_packed(ids, torch.arange(len(ids), device="cuda"), cu, len(ids))
+            lp = chunked_log_probs(hidden[len(p) - 1:-1], model.output_weight, ids[len(p):], 1.0, compiled=False)
+            lp = lp[0] if isinstance(lp, tuple) else lp
+            diffs.append((lp.float() - torch.tensor(comps[0].log_probs, device="cuda")).abs())
+        gaps[transposed] = torch.cat(diffs).mean().item()
+    print(f"mean |trainer - engine| log-prob: padded {gaps[False]:.5f}, transposed {gaps[True]:.5f}")
+    assert gaps[True] <= 1.1 * gaps[False] + 1e-3          # 0.02860 against 0.02861 on an H100
     for a, b in zip(runs[False], runs[True]):
         same = next((i for i, (x, y) in enumerate(zip(a[0].token_ids, b[0].token_ids)) if x != y), 200)
         assert same >= 50, (same, a[0].token_ids[:same + 1], b[0].token_ids[:same + 1])
-        assert max(abs(x - y) for x, y in zip(a[0].log_probs[:same], b[0].log_probs[:same])) < 2e-2
+        steps = [abs(x - y) for x, y in zip(a[0].log_probs[:same], b[0].log_probs[:same])]
+        assert sum(steps) / len(steps) < 0.01 and max(steps) < 0.1   # 0.0021-0.0061 and 0.015-0.060
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the whole engine on CUDA")
