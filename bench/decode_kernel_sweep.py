@@ -50,13 +50,15 @@ def compiled_occupancy() -> list[dict]:
     """The decode kernel's compiled variants: registers, spills, shared memory and warps, and the
     programs one multiprocessor holds by them (what splits.resident_programs states)."""
     from furlong.engine.kernels import _decode_attn_kernel
+    from furlong.engine.kernels_transposed import _decode_attn_transposed_kernel
     rows = []
-    for cache in _decode_attn_kernel.device_caches.values():
-        for k in cache[0].values():
-            k._init_handles()
-            warps, shared = k.metadata.num_warps, k.metadata.shared
-            rows.append(dict(n_regs=k.n_regs, n_spills=k.n_spills, shared=shared, warps=warps,
-                             programs_per_sm=programs_per_sm(k.n_regs, warps, shared)))
+    for name, fn in (("padded", _decode_attn_kernel), ("transposed", _decode_attn_transposed_kernel)):
+        for cache in fn.device_caches.values():
+            for k in cache[0].values():
+                k._init_handles()
+                warps, shared = k.metadata.num_warps, k.metadata.shared
+                rows.append(dict(kernel=name, n_regs=k.n_regs, n_spills=k.n_spills, shared=shared, warps=warps,
+                                 programs_per_sm=programs_per_sm(k.n_regs, warps, shared)))
     return rows
 
 

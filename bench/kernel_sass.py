@@ -20,6 +20,8 @@ import re
 import subprocess
 from pathlib import Path
 
+from furlong.engine.splits import programs_per_sm
+
 POINTERS_FP8 = dict(Q="*bf16", K="*fp8e4nv", V="*fp8e4nv", KS="*fp32", VS="*fp32", BT="*i32", CL="*i32",
                     PL="*i32", GR="*i32", GP="*i32", O="*fp32", LSE="*fp32", OUT="*bf16")
 
@@ -94,6 +96,9 @@ def main() -> None:
     num, ops = loop_opcodes(sass)
     print(f"{a.kv}{' transposed' if a.transposed else ''}, {a.warps} warps, {a.stages} stages, block_n "
           f"{a.block_n}{', cascade' if a.cascade else ''}: {usage}")
+    regs = int(usage.split("REG:")[1].split()[0])
+    print(f"shared memory {kernel.metadata.shared} bytes (Triton's metadata): "
+          f"{programs_per_sm(regs, a.warps, kernel.metadata.shared)} programs per multiprocessor")
     print(f"KV-tile loop: {num} instructions per warp")
     print("  " + ", ".join(f"{op} {n}" for op, n in ops.most_common(24)))
 

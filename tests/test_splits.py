@@ -58,28 +58,35 @@ def test_model_runner_dispatches_each_rule(tmp_path):
     runner.on_gpu, runner.num_sms = True, 132
     assert runner.num_splits(70, 80, 4096, False) == program_splits(80, 2, 132) == 4
     runner.split_rule = "waves"
-    # 2 KV heads here: 70 real rows pick 6 on fp8's 1,056 slots, 3 on the cascade variant's 528, and
-    # 60 real rows in the same bucket 8: each input reaches the rule
-    assert runner.num_splits(70, 80, 4096, False) == wave_splits(70, 4096, 64, 2, 132 * 8) == 6
+    # 2 KV heads here: 70 real rows pick 8 on the transposed fp8 kernel's 1,188 slots, 6 on the padded
+    # one's 1,056, 3 on the cascade variant's 528, and 60 real rows in the same bucket 8: each input
+    # reaches the rule
+    assert runner.transposed_fp8                                        # the engine's default
+    assert runner.num_splits(70, 80, 4096, False) == wave_splits(70, 4096, 64, 2, 132 * 9) == 8
     assert runner.num_splits(70, 80, 4096, True) == wave_splits(70, 4096, 64, 2, 132 * 4) == 3
+    runner.transposed_fp8 = False
+    assert runner.num_splits(70, 80, 4096, False) == wave_splits(70, 4096, 64, 2, 132 * 8) == 6
     assert runner.num_splits(60, 80, 4096, False) == 8
 
 
 def test_resident_programs_by_kernel_variant():
-    assert resident_programs(fp8=True, cascade=False) == 8
-    assert resident_programs(fp8=True, cascade=True) == 4
-    assert resident_programs(fp8=False, cascade=False) == resident_programs(fp8=False, cascade=True) == 4
+    assert resident_programs(fp8=True, cascade=False, transposed=True) == 9
+    assert resident_programs(fp8=True, cascade=False, transposed=False) == 8
+    assert resident_programs(fp8=True, cascade=True, transposed=True) == 4        # cascade keeps the padded one
+    assert all(resident_programs(fp8=False, cascade=c, transposed=t) == 4 for c in (0, 1) for t in (0, 1))
     # the counts follow from the sm_90 compiles splits.py cites (registers, warps, shared bytes)
-    assert programs_per_sm(255, 1, 20992) == resident_programs(fp8=True, cascade=False)
-    assert programs_per_sm(202, 2, 23040) == resident_programs(fp8=True, cascade=True)
-    assert programs_per_sm(115, 4, 38912) == resident_programs(fp8=False, cascade=False)
+    assert programs_per_sm(205, 1, 19968) == resident_programs(fp8=True, cascade=False, transposed=True)
+    assert programs_per_sm(255, 1, 20992) == resident_programs(fp8=True, cascade=False, transposed=False)
+    assert programs_per_sm(202, 2, 23040) == resident_programs(fp8=True, cascade=True, transposed=False)
+    assert programs_per_sm(115, 4, 38912) == resident_programs(fp8=False, cascade=False, transposed=False)
     assert programs_per_sm(32, 1, 0) == 32 and programs_per_sm(64, 4, 100_000) == 2    # block and smem caps
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fp8,cascade", [(True, False), (True, True), (False, False)])
-def test_resident_programs_match_the_compiled_kernel(fp8, cascade):
+@pytest.mark.parametrize("fp8,cascade,transposed", [(True, False, True), (True, False, False), (True, True, False),
+                                                   (False, False, False)])
+def test_resident_programs_match_the_compiled_kernel(fp8, cascade, transposed):
     """The counts splits.py states, from the registers and shared memory of the kernel as compiled
     here: a Triton or driver change that moves the occupancy fails this rather than slowing decode."""
     import sys
@@ -87,6 +94,8 @@ def test_resident_programs_match_the_compiled_kernel(fp8, cascade):
     from decode_kernel_sweep import build
     from furlong.engine.cascade import PrefixGroups
     from furlong.engine.kernels import _decode_attn_kernel, paged_decode_attention
+    from furlong.engine.kernels_transposed import _decode_attn_transposed_kernel
+    fn = _decode_attn_transposed_kernel if transposed else _decode_attn_kernel
     cap = torch.cuda.get_device_capability()
     if cap != (9, 0):
         pytest.skip(f"the counts are sm_90's, this GPU is sm_{cap[0]}{cap[1]}")
@@ -96,12 +105,12 @@ def test_resident_programs_match_the_compiled_kernel(fp8, cascade):
     if cascade:
         z = torch.zeros(16, dtype=torch.int32, device="cuda")
         prefix = PrefixGroups(z, torch.full((16, 8), -1, dtype=torch.int32, device="cuda"), z)
-    _decode_attn_kernel.device_caches.clear()
+    fn.device_caches.clear()
     paged_decode_attention(q, k, v, tables, lens, 2, prefix=prefix, key_scales=ks if fp8 else None,
-                           value_scales=vs if fp8 else None)
+                           value_scales=vs if fp8 else None, transposed=transposed)
     torch.cuda.synchronize()
-    (kernel,) = [x for cache in _decode_attn_kernel.device_caches.values() for x in cache[0].values()]
+    (kernel,) = [x for cache in fn.device_caches.values() for x in cache[0].values()]
     kernel._init_handles()
     smem = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_multiprocessor", 233472)   # sm_90: 228 KB
     assert programs_per_sm(kernel.n_regs, kernel.metadata.num_warps, kernel.metadata.shared,
-                           smem) == resident_programs(fp8, cascade)
+                           smem) == resident_programs(fp8, cascade, transposed)

@@ -183,7 +183,7 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     each group's prefix split `group_splits` ways; the first B // group_splits groups are read. A
     grouped row's prefix must be shorter than its context (the engine's always is: it holds the prompt).
     transposed: an fp8 cache's launches without cascade groups run kernels_transposed.py's kernel (the
-    KV tokens as the dots' rows; not yet measured on a GPU); others ignore it."""
+    KV tokens as the dots' rows; the engine's default); others ignore it."""
     num_rows, num_heads, dim = q.shape
     _, num_kv, page, _ = keys.shape
     group = num_heads // num_kv

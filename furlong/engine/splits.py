@@ -25,9 +25,10 @@ against 62.7 s, and the wave rule captures ~30 more graphs as contexts grow. So 
 (bench/rollout_time_split.py --split-rule).
 
 Resident programs per multiprocessor come from the kernels' register use as Triton 3.6 compiles them
-for sm_90 (bench/kernel_sass.py): fp8 at 1 warp 255 registers (8 warps of 256-register allocations
-fill a 64K register file: 8), fp8 at 2 warps (cascade) 202 (4), bf16 at 4 warps 115 (4); shared memory
-(21-39 KB a program) is not the limit. A GPU test checks these against the compiled kernels.
+for sm_90 (bench/kernel_sass.py): the padded fp8 kernel at 1 warp 255 registers (8 warps of
+256-register allocations fill a 64K register file: 8), the transposed one (kernels_transposed.py, the
+engine's fp8 default) 205 (9), fp8 at 2 warps (cascade, padded) 202 (4), bf16 at 4 warps 115 (4); shared
+memory (20-39 KB a program) is not the limit. A GPU test checks these against the compiled kernels.
 """
 from __future__ import annotations
 
@@ -45,10 +46,13 @@ def programs_per_sm(n_regs: int, num_warps: int, shared_bytes: int, smem_per_sm:
     return min(by_regs, smem_per_sm // (shared_bytes + 1024), 32, 64 // num_warps)
 
 
-def resident_programs(fp8: bool, cascade: bool) -> int:
+def resident_programs(fp8: bool, cascade: bool, transposed: bool) -> int:
     """Decode kernel programs one sm_90 multiprocessor holds at once, as the engine launches them
-    (kernels.paged_decode_attention's default warps: fp8 1, or 2 with cascade groups; bf16 4)."""
-    return (4 if cascade else 8) if fp8 else 4
+    (kernels.paged_decode_attention's default warps: fp8 1, or 2 with cascade groups; bf16 4);
+    `transposed`: an fp8 launch without cascade groups runs kernels_transposed.py's kernel."""
+    if not fp8:
+        return 4
+    return 4 if cascade else 9 if transposed else 8
 
 
 def program_splits(rows: int, num_kv_heads: int, num_sms: int, cap: int = 16) -> int:
