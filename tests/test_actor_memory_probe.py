@@ -80,5 +80,5 @@ def test_timed_probe_measures_with_gradients_held(tiny_ckpt, monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 777)
     peak, seconds = memory_probe._timed_probe(actor, 64)
     assert peak == 777 and seconds >= 0
-    assert held_at_reset == [False, True]     # warm-up from none; the measured run with the warm-up's held
+    assert held_at_reset == [False, True, True]   # warm-up from none; both timed runs with gradients held
     assert all(p.grad is None for p in trained)

@@ -499,3 +499,18 @@ def test_when_nothing_fits_and_samples_are_short_the_plan_probes_below_the_lm_he
                                               r"with 1024- and 2048-token probes\)$"):
         plan_trainer_memory(fresh(), 32768, False, min_tokens=1173, total_bytes=75 * GiB, measure=lambda modes, sizes:
                             measure(modes, sizes) if sizes == (4096, 8192) else {m: _oom(m, 31.7) for m in modes})
+
+
+def test_recompute_is_never_predicted_cheaper_per_token_than_without():
+    """Recompute adds a forward, so at the same budget it cannot be faster: a recompute probe timed fast by
+    noise (here 10% under no recompute's slope) must not win over a lowered budget without it."""
+    GB = 2**20
+    no = ModeProbe(False, (4096, 8192), (int(40 * GiB + 4096 * 2.9 * GB), int(40 * GiB + 8192 * 2.9 * GB)),
+                   (4096e-5, 8192e-5))
+    noisy = ModeProbe(True, (4096, 8192), (int(40 * GiB + 4096 * 0.9 * GB), int(40 * GiB + 8192 * 0.9 * GB)),
+                      (4096 * 0.9e-5, 8192 * 0.9e-5))
+    plan = plan_memory({False: no, True: noisy}, BUDGET, 32768, False, min_tokens=1200)
+    assert not plan.gradient_checkpointing and plan.max_tokens_per_gpu < 32768
+    # a real per-micro-batch fixed cost still lets recompute's larger budget win (it amortises it)
+    slow_split = probes(intercept_s=0.5)
+    assert plan_memory(slow_split, BUDGET, 32768, False, min_tokens=1200).gradient_checkpointing

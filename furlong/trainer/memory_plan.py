@@ -10,7 +10,9 @@ peak memory and time; this module decides, as pure arithmetic (tested on CPU):
                    (static: the memory held before the probes, the weights: no margin for it)
   cost(mode, B)  = seconds per trained token at budget B: (a + b * B) / B, a and b from the
                    two timed probes (a micro-batch's fixed cost - launches, the LM head's
-                   chunk loop, FSDP gathers - shrinks per token as B grows)
+                   chunk loop, FSDP gathers - shrinks per token as B grows); recompute's is
+                   at least no recompute's at the same B (it adds a forward: a probe timed
+                   fast by noise must not make it win, as it did once for a 1.7B LoRA run)
 
 Given --max-tokens-per-gpu B:
   * fits without recompute (or recompute was asked for and fits): B as given, no line;
@@ -157,7 +159,10 @@ def plan_memory(probes: dict[bool, ModeProbe], budget: MemoryBudget, requested_t
     def candidate(recompute: bool, tokens: int) -> tuple[float, MemoryPlan]:
         p = probes[recompute]
         plan = MemoryPlan(tokens, recompute, int(p.peak(tokens, budget.pending_bytes)), None)
-        return p.seconds_per_token(tokens), plan
+        cost = p.seconds_per_token(tokens)
+        if recompute and not probes[False].out_of_memory:     # module docstring: never cheaper than without
+            cost = max(cost, probes[False].seconds_per_token(tokens))
+        return cost, plan
 
     def fits(recompute: bool, tokens: int) -> bool:
         p = probes[recompute]
@@ -193,7 +198,7 @@ def plan_memory(probes: dict[bool, ModeProbe], budget: MemoryBudget, requested_t
             f"{'with' if mode else 'without'} recompute needs {_gib(need)} of {_gib(budget.usable_bytes)} usable"
             f"{'' if mode == modes[-1] else ' (with recompute its probe ran out of memory)'}; "
             f"{_remedies(flags_off)}, or a smaller --rollout-max-response-len")
-    _, plan = min(options, key=lambda o: o[0])
+    _, plan = min(options, key=lambda o: (o[0], o[1].gradient_checkpointing))   # a tie: no recompute
     if requested_tokens is None:
         plan.note = (f"--max-tokens-per-gpu auto: {plan.max_tokens_per_gpu} tokens, recompute "
                      f"{'on' if plan.gradient_checkpointing else 'off'} (predicted peak {_gib(plan.predicted_peak_bytes)}"
