@@ -3,10 +3,12 @@
 # whose pieces' timeouts add up to <= 560 s, most important first (a session's 30 device minutes hold
 # about three, fewer when starts fail).
 # Run on an H200 in session 23 (BENCHMARKS.md): `either` (its h200 branch: 8B trains, 15.7 s a train step; the
-# long rollout 51.4 s fp8, 75.5 s bf16) and call2's decode probe. Still owed, most important first: the
-# transposed fp8 kernel (`transposed`: issue 21's long rollout, 51.4 s on the H200 against <= 40 s), issue
-# 20's unmeasured table rows (`rows`), the decode matmuls against other kernels (`levers`), whether 8B fits an
-# H100 now that the compiled layers survive the small probes (`h100`).
+# long rollout 51.4 s fp8, 75.5 s bf16) and call2's decode probe. Run on an H100 in session 25: `transposed`
+# (the transposed fp8 kernel: long rollout 60.9 -> 57.7 s, now the engine's default) and `rows`. Still owed,
+# most important first: `transposed` on an H200 (issue 21's own card: the long rollout with the transposed
+# kernel against session 23's 51.4 s), `rows` on an H200 (issue 20's table is the H200's), the decode
+# matmuls against other kernels (`levers`), whether 8B fits an H100 now that the compiled layers survive the
+# small probes (`h100`).
 #   bash bench/pending_device.sh transposed|rows|levers|h100|call0|h200|either|call1|call2|call3
 # call0  Qwen3-8B full-parameter with --optimizer-cpu-offload (issue 20: trains, step time), on an H200 only
 #        (on an H100 the plan refuses it: 75 GiB of 72 usable from the 4096/8192 probes, and its 1024-token
@@ -19,15 +21,15 @@
 #        probes ran out of memory where larger ones ran: fragmentation suspected, BENCHMARKS.md session 22;
 #        the engine is not built by bench/train_steps.py, so its CUDA graphs and arenas are not involved)
 # either h200 on an H200, h100 on an H100 (for a call that may get either card)
-# rows   issue 20's table rows never measured, on an H200: Qwen3-1.7B full-parameter under the memory plan, and
-#        LoRA (rank 64, all linear) at 0.6B, 1.7B and 4B (the seed step's shape, `furlong bench` train + rollout)
-# transposed  kernels_transposed.py's fp8 kernel (the KV tokens as the dots' rows; 1,063 SASS instructions a
-#        tile against the padded kernel's 1,615, offline), never run on a GPU: the fp8 GPU tests (its kernel
-#        against the dequantised reference, the engine with it against the padded kernel), one layer beside
-#        the padded kernel at the long rollout's shapes (bulk, mid, tail; 32- and 64-token tiles: at 32 the
-#        transposed kernel needs 127 registers, so 16 one-warp programs fit a multiprocessor, against 9 at
-#        64, for 16% more instructions per byte, offline), then the long rollout with each on one engine
-#        (fitted split, by running rows; 64-token tiles). If it is faster, make it the engine's default.
+# rows   issue 20's table rows not yet measured on an H200: Qwen3-1.7B full-parameter under the memory plan, and
+#        LoRA (rank 64, all linear) at 0.6B, 1.7B and 4B (the seed step's shape, `furlong bench` train + rollout);
+#        the LoRA rows' first train part compiles for ~60 s. ROWS="a b" picks some: by default the first three
+#        (470 s), qwen3_4b_lora (200 s) in another call
+# transposed  kernels_transposed.py's fp8 kernel (the engine's default; 875 SASS instructions a tile against
+#        the padded kernel's 1,615): the fp8 GPU tests (its kernel against the dequantised reference, the
+#        engine with it against the padded kernel), one layer beside the padded kernel at the long rollout's
+#        shapes (bulk, mid, tail; 32- and 64-token tiles: 32 was slower for both on an H100), then the long
+#        rollout with each on one engine (fitted split, by running rows; 64-token tiles)
 # levers issue 21's long rollout (<= 40 s) could take, measured before building either: the decode step's
 #        matmuls as cuBLAS, cuBLASLt and inductor's autotuned Triton templates (static and dynamic M) at the
 #        long rollout's running rows (bench/decode_gemm_sweep.py: are the ~0.45-0.6 ms a step they spend over
@@ -80,10 +82,15 @@ rows)
         grep -E "memory plan|^step +(rollout|train|weight|whole)|^train +(train_tok_per_s|train_mfu|train_peak)" "$OUT/$name.log"
     }
     lora=(--lora-rank 64 --lora-alpha 128)
-    row qwen3_1p7b 120 --workload bench/qwen3_1p7b_workload.json
-    row seed_lora 90 --workload bench/seed_workload.json "${lora[@]}"
-    row qwen3_1p7b_lora 110 --workload bench/qwen3_1p7b_workload.json "${lora[@]}"
-    row qwen3_4b_lora 200 --workload bench/qwen3_4b_workload.json "${lora[@]}" ;;
+    for r in ${ROWS:-qwen3_1p7b seed_lora qwen3_1p7b_lora}; do
+        case $r in
+        qwen3_1p7b) row qwen3_1p7b 120 --workload bench/qwen3_1p7b_workload.json ;;
+        seed_lora) row seed_lora 160 --workload bench/seed_workload.json "${lora[@]}" ;;
+        qwen3_1p7b_lora) row qwen3_1p7b_lora 190 --workload bench/qwen3_1p7b_workload.json "${lora[@]}" ;;
+        qwen3_4b_lora) row qwen3_4b_lora 200 --workload bench/qwen3_4b_workload.json "${lora[@]}" ;;
+        *) echo "ROWS: unknown row $r" ;;
+        esac
+    done ;;
 transposed)
     timeout -k 10 130 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging --timeout=90 \
         tests/test_kv_fp8_gpu.py >"$OUT/fp8_gpu_tests.log" 2>&1
