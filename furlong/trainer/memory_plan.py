@@ -11,8 +11,9 @@ peak memory and time; this module decides, as pure arithmetic (tested on CPU):
   cost(mode, B)  = seconds per trained token at budget B: (a + b * B) / B, a and b from the
                    two timed probes (a micro-batch's fixed cost - launches, the LM head's
                    chunk loop, FSDP gathers - shrinks per token as B grows); recompute's is
-                   at least no recompute's at the same B (it adds a forward: a probe timed
-                   fast by noise must not make it win, as it did once for a 1.7B LoRA run)
+                   at least no recompute's at the same B (it adds a forward), whatever the
+                   probes' timing noise; the note gives the predicted rate of the plan and the
+                   best plan passed over, so a close call can be checked against the step
 
 Given --max-tokens-per-gpu B:
   * fits without recompute (or recompute was asked for and fits): B as given, no line;
@@ -141,6 +142,10 @@ def _gib(x: float) -> str:
     return f"{x / 2**30:.1f} GiB"
 
 
+def _rate(seconds_per_token: float) -> str:
+    return f"{1e-3 / seconds_per_token:.1f}k tok/s" if seconds_per_token > 0 else "an unmeasured rate"
+
+
 def largest_fit(probe: ModeProbe, budget: MemoryBudget, granule: int = GRANULE) -> int:
     """Largest multiple of `granule` tokens whose predicted peak fits (0 when none does)."""
     room = budget.usable_bytes - probe.peak(0, budget.pending_bytes)
@@ -198,11 +203,17 @@ def plan_memory(probes: dict[bool, ModeProbe], budget: MemoryBudget, requested_t
             f"{'with' if mode else 'without'} recompute needs {_gib(need)} of {_gib(budget.usable_bytes)} usable"
             f"{'' if mode == modes[-1] else ' (with recompute its probe ran out of memory)'}; "
             f"{_remedies(flags_off)}, or a smaller --rollout-max-response-len")
-    _, plan = min(options, key=lambda o: (o[0], o[1].gradient_checkpointing))   # a tie: no recompute
+    options.sort(key=lambda o: (o[0], o[1].gradient_checkpointing))   # a tie: no recompute
+    cost, plan = options[0]
+    passed = next((o for o in options if (o[1].max_tokens_per_gpu, o[1].gradient_checkpointing)
+                   != (plan.max_tokens_per_gpu, plan.gradient_checkpointing)), None)
+    rates = f"predicted {_rate(cost)}" + (f" against {_rate(passed[0])} for {passed[1].max_tokens_per_gpu} tokens "
+                                           f"with recompute {'on' if passed[1].gradient_checkpointing else 'off'}"
+                                           if passed else "")
     if requested_tokens is None:
         plan.note = (f"--max-tokens-per-gpu auto: {plan.max_tokens_per_gpu} tokens, recompute "
                      f"{'on' if plan.gradient_checkpointing else 'off'} (predicted peak {_gib(plan.predicted_peak_bytes)}"
-                     f" of {_gib(budget.usable_bytes)} usable; the faster per token of the two modes)")
+                     f" of {_gib(budget.usable_bytes)} usable; the faster per token of the two modes, {rates})")
         return plan
     mine = probes[requested_recompute]
     need = (f"would run out of memory (a {mine.num_tokens[0]}-token probe did)" if mine.out_of_memory else
@@ -214,5 +225,5 @@ def plan_memory(probes: dict[bool, ModeProbe], budget: MemoryBudget, requested_t
     if plan.max_tokens_per_gpu != requested_tokens:
         change.append(f"lowered --max-tokens-per-gpu to {plan.max_tokens_per_gpu}")
     plan.note = (f"memory: {' and '.join(change)}: {requested_tokens} tokens per micro-batch {need}; this plan needs "
-                 f"{_gib(plan.predicted_peak_bytes)} (the faster per token of the plans that fit)")
+                 f"{_gib(plan.predicted_peak_bytes)} (the faster per token of the plans that fit, {rates})")
     return plan

@@ -80,7 +80,7 @@ def _timed_probe(actor: Actor, num_tokens: int) -> tuple[int, float]:
     """(peak bytes, seconds) of one training micro-batch of `num_tokens`, after an untimed run of it
     (kernels and compiled graphs warm; a first call's compile would swamp the time) whose gradients it
     accumulates into, as a step's later micro-batches do (module docstring). The time is the faster of
-    two runs: the plan compares modes by these times, and one run's noise once flipped its choice."""
+    two runs: the plan compares modes by these times (a close call between them is decided by them)."""
     _measure(actor, num_tokens, keep_grads=True)
     peaks, times = [], []
     for last in (False, True):
