@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -9,6 +11,7 @@ from furlong.trainer.memory_plan import (MemoryBudget, MemoryPlanError, ModeProb
                                          out_of_memory_line, plan_memory)
 
 GiB = 2**30
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # test_actor, tiny_checkpoints
 
 
 def probes(intercept_s: float = 0.05, fixed_gib: float = 40.0):
@@ -21,6 +24,23 @@ def probes(intercept_s: float = 0.05, fixed_gib: float = 40.0):
 
 
 BUDGET = MemoryBudget(total_bytes=140 * GiB, reserved_bytes=8 * GiB, pending_bytes=20 * GiB)
+
+
+def _tiny_ckpt(tmp_path: Path) -> Path:
+    """The tiny checkpoint these tests' real (CPU) actors load."""
+    from tiny_checkpoints import write_tiny_checkpoint
+    return write_tiny_checkpoint(tmp_path / "ckpt", vocab_size=128, hidden=32, layers=2, heads=2, kv_heads=1)
+
+
+def _actor(ckpt: Path, **overrides):
+    """A real (CPU, FSDP2) actor on `ckpt`: test_actor's tiny_config with dynamic batching and `overrides`."""
+    from test_actor import tiny_config
+    from furlong.config_map import actor_config
+    from furlong.launch.distributed import init_distributed
+    from furlong.models.hf_io import load_pretrained
+    from furlong.trainer.actor import Actor
+    cfg = tiny_config(use_dynamic_batch_size=True, **overrides)
+    return Actor(load_pretrained(ckpt), actor_config(cfg), init_distributed("cpu"))
 
 
 def test_affine_model_and_largest_fit():
@@ -85,19 +105,8 @@ def test_longest_sample_bounds_the_budget_and_nothing_fitting_names_flags():
 def test_trainer_plan_with_injected_probes_on_cpu(tmp_path):
     """plan_trainer_memory on a real (CPU) actor: pending AdamW bytes come from its trainable parameters,
     and a budget that needs recompute turns it on."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from test_actor import tiny_config  # noqa: E402
-    from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
-
-    from furlong.config_map import actor_config
-    from furlong.launch.distributed import init_distributed
-    from furlong.models.hf_io import load_pretrained
-    from furlong.trainer.actor import Actor
     from furlong.trainer.memory_probe import plan_trainer_memory
-    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", vocab_size=128, hidden=32, layers=2, heads=2, kv_heads=1)
-    actor = Actor(load_pretrained(ckpt), actor_config(tiny_config(use_dynamic_batch_size=True)), init_distributed("cpu"))
+    actor = _actor(_tiny_ckpt(tmp_path))
     assert plan_trainer_memory(actor, 4096, False, min_tokens=100).note is None   # CPU, nothing measured
     plan = plan_trainer_memory(actor, 32768, False, min_tokens=1200,
                                measure=lambda modes, sizes: probes(intercept_s=0.5),
@@ -113,23 +122,14 @@ def test_when_nothing_fits_with_gathered_weights_the_plan_reshards_after_forward
     again, and says so. On a real (CPU, FSDP2) actor: its layers then reshard after forward (their
     parameters are sharded again right after a forward with grad) and a train step runs; when nothing fits
     even then, the one line says it was measured with the flag and does not suggest it."""
-    import sys
-    from pathlib import Path
-
     import torch
     from torch.distributed.tensor import DTensor
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from test_actor import full_weights, synthetic_samples, tiny_config, train_rollout  # noqa: E402
-    from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
+    from test_actor import full_weights, synthetic_samples, tiny_config, train_rollout
 
-    from furlong.config_map import actor_config
-    from furlong.launch.distributed import init_distributed
-    from furlong.models.hf_io import load_pretrained
-    from furlong.trainer.actor import Actor
     from furlong.trainer.memory_probe import _probe_batch, plan_trainer_memory
-    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", vocab_size=128, hidden=32, layers=2, heads=2, kv_heads=1)
-    cfg = tiny_config(use_dynamic_batch_size=True, max_tokens_per_gpu="32")
-    actor = Actor(load_pretrained(ckpt), actor_config(cfg), init_distributed("cpu"))
+    ckpt = _tiny_ckpt(tmp_path)
+    cfg = tiny_config(use_dynamic_batch_size=True, max_tokens_per_gpu="32")   # train_rollout's too
+    actor = _actor(ckpt, max_tokens_per_gpu="32")
     measured = []
 
     def measure(modes, sizes):
@@ -160,7 +160,7 @@ def test_when_nothing_fits_with_gathered_weights_the_plan_reshards_after_forward
     assert math.isfinite(train_rollout(actor, cfg, synthetic_samples([12, 9, 15, 7])).loss)
     assert any(not torch.equal(before[n], w) for n, w in full_weights(actor).items())
 
-    again = Actor(load_pretrained(ckpt), actor_config(cfg), init_distributed("cpu"))
+    again = _actor(ckpt, max_tokens_per_gpu="32")
     with pytest.raises(MemoryPlanError) as e:
         plan_trainer_memory(again, 32768, False, min_tokens=1200, total_bytes=140 * GiB,
                             measure=lambda modes, sizes: {m: _oom(m, 76.3) for m in modes})
@@ -171,7 +171,7 @@ def test_when_nothing_fits_with_gathered_weights_the_plan_reshards_after_forward
     # with the engine's weights resident (reserved), releasing them is named too
     with pytest.raises(MemoryPlanError, match=r"add --offload-rollout-level kv_cache weight \(frees the engine's "
                                               r"weights while the trainer runs\), --lora-rank or --fsdp-cpu-offload"):
-        plan_trainer_memory(Actor(load_pretrained(ckpt), actor_config(cfg), init_distributed("cpu")), 32768, False,
+        plan_trainer_memory(_actor(ckpt, max_tokens_per_gpu="32"), 32768, False,
                             min_tokens=1200, total_bytes=140 * GiB, reserved_bytes=8 * GiB,
                             measure=lambda modes, sizes: {m: _oom(m, 76.3) for m in modes})
 
@@ -188,31 +188,20 @@ def test_the_plan_takes_the_weights_held_before_its_probes_as_static(tmp_path, m
     """On CUDA the plan reads the device's memory and what is allocated before its probes (stood in for
     here): 30 of 80 GiB held leaves 72.5 GiB usable, where 68 would refuse a 69 GiB fixed peak (recompute,
     ~0.9 MiB a token: 3072 tokens fit)."""
-    import sys
     import types
-    from pathlib import Path
 
     import torch
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from test_actor import tiny_config  # noqa: E402
-    from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
-    from furlong.config_map import actor_config
-    from furlong.launch.distributed import init_distributed
-    from furlong.models.hf_io import load_pretrained
-    from furlong.trainer.actor import Actor
     from furlong.trainer.memory_probe import plan_trainer_memory
-    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", vocab_size=128, hidden=32, layers=2, heads=2, kv_heads=1)
-    actor = Actor(load_pretrained(ckpt), actor_config(tiny_config(use_dynamic_batch_size=True)),
-                  init_distributed("cpu"))
+    ckpt = _tiny_ckpt(tmp_path)
+    actor = _actor(ckpt)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=80 * GiB))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 30 * GiB)
     plan = plan_trainer_memory(actor, 32768, False, min_tokens=1200, measure=lambda modes, sizes: {
         m: probes(fixed_gib=69)[m] for m in modes})
     assert plan.gradient_checkpointing and plan.max_tokens_per_gpu == 3072 and not plan.reshard_after_forward
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 0)      # nothing held: the old margin
-    again = Actor(load_pretrained(ckpt), actor_config(tiny_config(use_dynamic_batch_size=True)),
-                  init_distributed("cpu"))
+    again = _actor(ckpt)
     with pytest.raises(MemoryPlanError):
         plan_trainer_memory(again, 32768, False, min_tokens=1200, measure=lambda modes, sizes: {
             m: probes(fixed_gib=69)[m] for m in modes})
@@ -222,20 +211,9 @@ def test_when_nothing_fits_with_kept_logits_the_plan_recomputes_them_before_resh
     """The LM head's logits kept for backward (a tenth of the GPU) are the first thing the plan gives up,
     from the probes it already has (they ran without them); the actor then keeps none, and nothing is
     resharded. When even that does not fit, resharding follows with no logits kept."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from test_actor import tiny_config  # noqa: E402
-    from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
-
-    from furlong.config_map import actor_config
-    from furlong.launch.distributed import init_distributed
-    from furlong.models.hf_io import load_pretrained
-    from furlong.trainer.actor import Actor
     from furlong.trainer.memory_probe import plan_trainer_memory
-    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", vocab_size=128, hidden=32, layers=2, heads=2, kv_heads=1)
-    cfg = actor_config(tiny_config(use_dynamic_batch_size=True))
-    actor = Actor(load_pretrained(ckpt), cfg, init_distributed("cpu"))
+    ckpt = _tiny_ckpt(tmp_path)
+    actor = _actor(ckpt)
     actor.keep_logits_bytes = 20 * GiB
     measured = []
 
@@ -251,7 +229,7 @@ def test_when_nothing_fits_with_kept_logits_the_plan_recomputes_them_before_resh
     assert plan.note.startswith("memory: the LM head's logits recomputed in backward, not kept (no micro-batch "
                                 "budget fit with them kept); ")
 
-    again = Actor(load_pretrained(ckpt), cfg, init_distributed("cpu"))
+    again = _actor(ckpt)
     again.keep_logits_bytes = 20 * GiB
     measured.clear()
     plan = plan_trainer_memory(again, 32768, False, min_tokens=1200, total_bytes=80 * GiB,
@@ -264,13 +242,10 @@ def test_when_nothing_fits_with_kept_logits_the_plan_recomputes_them_before_resh
 
 
 def test_out_of_memory_in_a_step_is_one_line_and_keeps_the_checkpoint(tmp_path, capsys, monkeypatch):
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import torch
-    from test_cli import assets as _assets  # noqa: F401,E402
-    from test_cli import run_cli, train_flags  # noqa: E402
-    from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
+    from test_cli import assets as _assets  # noqa: F401
+    from test_cli import run_cli, train_flags
+    from tiny_checkpoints import write_tiny_checkpoint
 
     from furlong.run import loop
     from furlong.tasks.synthetic import prepare_synthetic
@@ -412,24 +387,15 @@ def test_after_a_probe_runs_out_of_memory_the_actor_still_trains(tmp_path, monke
     """A real (CPU, FSDP2) actor whose no-recompute probe raises OutOfMemoryError inside a decoder layer's
     forward: the recompute mode's probes then run forward and backward through the same FSDP modules, and
     no gradient is left behind (CUDA memory calls stubbed; PROBE_TOKENS cut to keep it small)."""
-    import sys
-    from pathlib import Path
     import torch
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from test_actor import tiny_config  # noqa: E402
-    from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
-    from furlong.config_map import actor_config
-    from furlong.launch.distributed import init_distributed
-    from furlong.models.hf_io import load_pretrained
+
     from furlong.trainer import memory_probe as mp
-    from furlong.trainer.actor import Actor
     for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
         monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 3 * GiB)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 2 * GiB)
     monkeypatch.setattr(mp, "PROBE_TOKENS", 64)
-    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", vocab_size=128, hidden=32, layers=2, heads=2, kv_heads=1)
-    actor = Actor(load_pretrained(ckpt), actor_config(tiny_config(use_dynamic_batch_size=True)), init_distributed("cpu"))
+    actor = _actor(_tiny_ckpt(tmp_path))
     layer = actor.model.layers[1]
     ran = []
 
@@ -459,19 +425,9 @@ def test_when_nothing_fits_and_samples_are_short_the_plan_probes_below_the_lm_he
     """Qwen3-8B full-parameter on an 80 GB card: the 4096/8192-token probes' line, flat in the LM head's
     chunk buffers, refuses the 1173-token longest sample; probes at 1024 and 2048 tokens measure the
     chunk shrinking and the plan fits. Longest samples of 4096 tokens or more are not probed again."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from test_actor import tiny_config  # noqa: E402
-    from tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
-
-    from furlong.config_map import actor_config
-    from furlong.launch.distributed import init_distributed
-    from furlong.models.hf_io import load_pretrained
     from furlong.trainer.actor import Actor
     from furlong.trainer.memory_probe import plan_trainer_memory
-    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", vocab_size=128, hidden=32, layers=2, heads=2, kv_heads=1)
-    cfg = actor_config(tiny_config(use_dynamic_batch_size=True))
+    ckpt = _tiny_ckpt(tmp_path)
     calls = []
 
     def measure(modes, sizes):   # ~3 GiB of chunk buffers at 4096 tokens, 1.2 MiB a token below it
@@ -481,7 +437,7 @@ def test_when_nothing_fits_and_samples_are_short_the_plan_probes_below_the_lm_he
                              (0.1, 0.2)) for m in modes}
 
     def fresh() -> Actor:   # nothing left to turn off: the logits recomputed, resharding after forward on
-        actor = Actor(load_pretrained(ckpt), cfg, init_distributed("cpu"))
+        actor = _actor(ckpt)
         actor.keep_logits_bytes = 0
         actor.enable_reshard_after_forward()
         return actor
