@@ -16,7 +16,7 @@ its FMULs (95 against 296), 205 registers against 255 (9 one-warp programs per m
 of 8); the 256 fp8 -> fp16 converts of a tile's K and V are the same in both. At 2 warps: 511 per
 warp, 162 registers. Written as the padded kernel's loop (masked K loads, base-e softmax, a separate
 P.V accumulate), it compiled to 1,063 at 8 columns and 1,574 at 16: most of the saving is the padding,
-~190 instructions the three changes (below). On an H100 one layer's attention is 1.01-1.05x faster at
+~190 instructions the three changes (below). On an H100 one layer's attention is 1.01-1.06x faster at
 6,144-token contexts (B=256 to 12), 0.98x at B=256 x 1,024, and the long rollout 60.9 -> 57.7 s
 (BENCHMARKS.md): the engine's default for fp8 (ModelRunner.transposed_fp8).
 
