@@ -42,10 +42,10 @@ def compile_kernel(kv: str, warps: int, stages: int, block_n: int, cascade: bool
                  DIRECT=not cascade, CASCADE=cascade, FP8=fp8, PRECISION="tf32", DOT=triton.language.float16,
                  EARLY_V=fp8, V_DIM_MAJOR=kv == "fp8")
     kernel = _decode_attn_kernel
-    if transposed:      # fp8, V dim-major, no cascade (kernels_transposed.py)
+    if transposed:      # fp8, V dim-major (kernels_transposed.py; cascade: a cascade launch's row programs)
         kernel = _decode_attn_transposed_kernel
-        const = dict(GROUP=2, GP=8, D=128, PAGE=64, BLOCK_N=block_n, DIRECT=True, DOT=triton.language.float16,
-                     PRECISION="tf32")
+        const = dict(GROUP=2, GP=8, D=128, PAGE=64, BLOCK_N=block_n, DIRECT=not cascade,
+                     DOT=triton.language.float16, PRECISION="tf32", CASCADE=cascade)
     params = list(inspect.signature(kernel.fn).parameters)
     sig = {p: "constexpr" if p in const else ptrs.get(p, "fp32" if p == "scale" else "i32") for p in params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
@@ -79,9 +79,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the PTX and SASS here")
     a = ap.parse_args()
     import triton
-    if a.transposed and (a.kv != "fp8" or a.cascade):
-        raise SystemExit("--transposed: the transposed kernel reads an fp8 cache with V dim-major (--kv fp8), "
-                         "no cascade groups")
+    if a.transposed and a.kv != "fp8":
+        raise SystemExit("--transposed: the transposed kernel reads an fp8 cache with V dim-major (--kv fp8)")
     kernel = compile_kernel(a.kv, a.warps, a.stages, a.block_n, a.cascade, a.transposed)
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     out = Path(a.out or "/tmp/kernel_sass")

@@ -6,10 +6,11 @@
 # long rollout 51.4 s fp8, 75.5 s bf16) and call2's decode probe. Run on an H100 in session 25: `transposed`
 # (the transposed fp8 kernel: long rollout 60.9 -> 57.7 s, now the engine's default) and `rows`. Still owed,
 # most important first: `transposed` on an H200 (issue 21's own card: the long rollout with the transposed
-# kernel against session 23's 51.4 s), `rows` on an H200 (issue 20's table is the H200's), the decode
+# kernel against session 23's 51.4 s), `cascade` (the transposed kernel in cascade launches, never run on a
+# GPU), `rows` on an H200 (issue 20's table is the H200's), the decode
 # matmuls against other kernels (`levers`), whether 8B fits an H100 now that the compiled layers survive the
 # small probes (`h100`).
-#   bash bench/pending_device.sh transposed|rows|levers|h100|call0|h200|either|call1|call2|call3
+#   bash bench/pending_device.sh transposed|cascade|rows|levers|h100|call0|h200|either|call1|call2|call3
 # call0  Qwen3-8B full-parameter with --optimizer-cpu-offload (issue 20: trains, step time), on an H200 only
 #        (on an H100 the plan refuses it: 75 GiB of 72 usable from the 4096/8192 probes, and its 1024-token
 #        probes ran out of memory, BENCHMARKS.md session 22), with the engine's weights released (the
@@ -30,6 +31,12 @@
 #        engine with it against the padded kernel), one layer beside the padded kernel at the long rollout's
 #        shapes (bulk, mid, tail; 32- and 64-token tiles: 32 was slower for both on an H100), then the long
 #        rollout with each on one engine (fitted split, by running rows; 64-token tiles)
+# cascade the fp8 cache's cascade launches with their row programs in the transposed kernel ("transposed-all",
+#        kv_cache.FP8_KERNELS; 842 SASS instructions a tile at 1 warp against the padded cascade kernel's
+#        2 x 946, offline): its GPU tests (the kernel against the dequantised reference at 4 split pairs,
+#        the engine against the padded kernel with groups), then the long rollout with prompts past the
+#        cascade threshold (bench/long_prompt_workload.json) under the default and it, on one engine.
+#        If it is faster, make it the default.
 # levers issue 21's long rollout (<= 40 s) could take, measured before building either: the decode step's
 #        matmuls as cuBLAS, cuBLASLt and inductor's autotuned Triton templates (static and dynamic M) at the
 #        long rollout's running rows (bench/decode_gemm_sweep.py: are the ~0.45-0.6 ms a step they spend over
@@ -102,6 +109,14 @@ transposed)
         --fp8-kernel padded,transposed --out "$OUT" >"$OUT/rollout_time_split.log" 2>&1
     echo "== long rollout, padded vs transposed: exit $?"
     grep -E "s = fixed|\(steady|warm-up rollout|Error" "$OUT/rollout_time_split.log" ;;
+cascade)
+    timeout -k 10 150 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging --timeout=90 \
+        tests/test_kv_fp8_gpu.py -k "cascade or transposed" >"$OUT/fp8_gpu_tests.log" 2>&1
+    echo "== fp8 GPU tests (cascade, transposed): exit $?"; grep -E "passed|failed|FAILED|Error" "$OUT/fp8_gpu_tests.log" | tail -6
+    timeout -k 10 390 python3 bench/rollout_time_split.py --workload bench/long_prompt_workload.json \
+        --kv-dtype fp8_e4m3 --fp8-kernel transposed,transposed-all --out "$OUT" >"$OUT/rollout_time_split.log" 2>&1
+    echo "== long-prompt rollout, transposed vs transposed-all: exit $?"
+    grep -E "s = fixed|\(steady|warm-up rollout|Error" "$OUT/rollout_time_split.log" ;;
 levers)
     timeout -k 10 330 python3 bench/decode_gemm_sweep.py --batch 256,128,64,16 --shapes qkv,o,gate_up,down \
         --impl cublas,cublaslt,autotune,autotune-dynamic --out "$OUT" >"$OUT/decode_gemm_sweep.log" 2>&1
@@ -132,5 +147,5 @@ call3)
         python3 -c "import json, sys; g = json.load(open(sys.argv[1]))['rollout_logprob_abs_diff']; \
 print('mean |trainer - engine| log-prob', round(sum(v for _, v in g) / max(1, len(g)), 5))" "$OUT/demo_${v}_evals.json"
     done ;;
-*) echo "usage: bash bench/pending_device.sh transposed|rows|levers|h100|call0|h200|either|call1|call2|call3"; exit 2 ;;
+*) echo "usage: bash bench/pending_device.sh transposed|cascade|rows|levers|h100|call0|h200|either|call1|call2|call3"; exit 2 ;;
 esac

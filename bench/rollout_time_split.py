@@ -17,7 +17,7 @@ attention at an implied 2.67 TB/s, R^2 0.97; the same rollout under the other sp
 42 s).
 
     python3 bench/rollout_time_split.py [--workload bench/long_workload.json] [--kv-dtype fp8_e4m3,bf16]
-        [--split-rule waves,programs] [--fp8-kernel padded,transposed] [--out DIR]
+        [--split-rule waves,programs] [--fp8-kernel padded,transposed,transposed-all] [--out DIR]
         -> rollout_time_split.json, rollout_time_split.png
 """
 from __future__ import annotations
@@ -143,18 +143,19 @@ def main() -> None:
     from furlong.bench.generation_parts import _rollout_requests, make_engine
     from furlong.bench.state import Bench
     from furlong.bench.workload import load_workload
+    from furlong.engine.kv_cache import FP8_KERNELS
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", default="bench/long_workload.json")
     ap.add_argument("--kv-dtype", default="fp8_e4m3,bf16")
     ap.add_argument("--split-rule", default="programs",
                     help="the decode kernel's split rules to run, each on the same engine (splits.py): waves,programs")
-    ap.add_argument("--fp8-kernel", default="padded",
-                    help="an fp8 cache's decode kernels to run, each on the same engine: padded (the engine's), "
-                         "transposed (kernels_transposed.py); bf16 runs the padded one")
+    ap.add_argument("--fp8-kernel", default="transposed",
+                    help="an fp8 cache's decode kernels to run, each on the same engine (kv_cache.FP8_KERNELS): "
+                         "padded, transposed (the engine's), transposed-all; bf16 runs the padded one")
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
-    if set(a.fp8_kernel.split(",")) - {"padded", "transposed"}:
-        ap.error(f"--fp8-kernel: padded and/or transposed, got {a.fp8_kernel!r}")
+    if set(a.fp8_kernel.split(",")) - set(FP8_KERNELS):
+        ap.error(f"--fp8-kernel: a comma-separated list of {', '.join(FP8_KERNELS)}, got {a.fp8_kernel!r}")
     w = load_workload(a.workload)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -168,7 +169,7 @@ def main() -> None:
         for rule, kernel in ((r, k) for r in a.split_rule.split(",") for k in kernels):
             name = f"{kv} {rule}" + ("" if kernel == "padded" else f" {kernel}")
             engine.runner.split_rule = rule
-            engine.runner.transposed_fp8 = kernel == "transposed"    # in the graph key: each kernel's graphs
+            engine.runner.fp8_kernel = kernel          # in the graph key: each kernel's graphs
             # warm-up: the same rows at 1/16 of their lengths finish in the same order, so the batch passes
             # through the same buckets and captures most graphs the timed rollout replays (not those of
             # split counts only longer contexts pick: their windows are left out of the fit)

@@ -188,6 +188,31 @@ def test_fp8_engine_with_cascade_reads_the_same_cache_as_without(model, kv_token
             torch.testing.assert_close(torch.tensor(a.log_probs), torch.tensor(b.log_probs), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("name,cascade,transposed", [("padded", False, False), ("padded", True, False),
+                                                   ("transposed", False, True), ("transposed", True, False),
+                                                   ("transposed-all", False, True), ("transposed-all", True, True)])
+def test_decode_context_picks_the_fp8_kernel_by_name(monkeypatch, name, cascade, transposed):
+    """ModelRunner.fp8_kernel's names (kv_cache.FP8_KERNELS) reach paged_decode_attention as its `transposed`
+    flag, per launch: "transposed" leaves cascade launches to the padded kernel, "transposed-all" does not
+    (the Triton module stood in for: CPU); an unknown name is refused when the context is made."""
+    import types
+    from furlong.engine.cascade import PrefixGroups
+    from furlong.engine.kv_cache import DecodeContext
+    seen = []
+    fake = types.ModuleType("furlong.engine.kernels")
+    fake.paged_decode_attention = lambda q, *a, transposed, **k: seen.append(transposed) or q
+    monkeypatch.setitem(sys.modules, "furlong.engine.kernels", fake)
+    layer = types.SimpleNamespace(keys=None, values=None, key_scales=None, value_scales=None)
+    cache = types.SimpleNamespace(layer=lambda i: layer)
+    z = torch.zeros(2, dtype=torch.int32)
+    prefix = PrefixGroups(z, torch.full((2, 2), -1, dtype=torch.int32), z) if cascade else None
+    ctx = DecodeContext(cache, z.long(), z.long(), z[:, None], z + 1, 1, True, prefix, 1, name)
+    ctx._read(0, torch.zeros(2, 4, 8))
+    assert seen == [transposed]
+    with pytest.raises(ValueError, match="fp8_kernel 'transposd' is none of"):
+        DecodeContext(cache, z.long(), z.long(), z[:, None], z + 1, 1, True, prefix, 1, "transposd")
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the kernels run natively (test_kv_fp8_gpu.py)")
 def test_fp8_kernels_under_the_triton_interpreter():

@@ -153,7 +153,8 @@ def test_fp8_decode_ignores_nan_keys_and_scales_past_the_context(transposed):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_splits,group_splits", [(1, 1), (3, 4), (8, 2), (1, 6)])
-def test_cascade_decode_attention_fp8_matches_dequantised_reference(dtype, num_splits, group_splits):
+@pytest.mark.parametrize("transposed", [False, True])   # True: row programs by kernels_transposed.py
+def test_cascade_decode_attention_fp8_matches_dequantised_reference(dtype, num_splits, group_splits, transposed):
     from furlong.engine.cascade import PrefixGroups, cascade_attention_reference, cascade_members
     from furlong.engine.kernels import paged_decode_attention
     g = torch.Generator(device=DEV).manual_seed(10 + num_splits)
@@ -177,7 +178,7 @@ def test_cascade_decode_attention_fp8_matches_dequantised_reference(dtype, num_s
     groups = PrefixGroups(prefix_lens, group_rows, group_prefix)
     q = torch.randn(rows, hq, d, device=DEV, generator=g).to(dtype)
     out = paged_decode_attention(q, keys, values, tables, lens, num_splits, prefix=groups, group_splits=group_splits,
-                                 key_scales=ks, value_scales=vs)
+                                 key_scales=ks, value_scales=vs, transposed=transposed)
     ref = cascade_attention_reference(q.double(), keys, values, tables, lens, groups, ks, vs)
     assert torch.isfinite(out).all() and out[0].abs().max() == 0
     assert rel_err(out, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
@@ -216,15 +217,18 @@ def test_engine_vs_trainer_log_prob_gap_bf16_and_fp8_kv():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the whole engine on CUDA")
+@pytest.mark.parametrize("kernel,n", [("transposed", 1), ("transposed-all", 2)])
 @torch.inference_mode()
-def test_engine_transposed_fp8_kernel_matches_padded():
-    """The engine's fp8 decode with the transposed kernel (ModelRunner.transposed_fp8) against the padded
+def test_engine_transposed_fp8_kernel_matches_padded(kernel, n):
+    """The engine's fp8 decode with the transposed kernel (ModelRunner.fp8_kernel) against the padded
     one, greedy on the same model and prompts. The runs differ in the attention's rounding (Q scaled
     before its fp16 cast, base-2 exponent, value scales applied per tile), and a token's K/V written to
     the fp8 cache moves by a quantisation step when its input moves by less, so the runs' log-probs drift
     apart along a row (up to 0.06 in 200 tokens on an H100, against 0.04 for the padded kernel at another
     split count): the bound that matters is each run's gap to the trainer's log-probs, which must agree.
-    Tokens agree until a near-tie flips (none in the first 50 of a row)."""
+    Tokens agree until a near-tie flips (none in the first 50 of a row). "transposed-all" with 2 samples
+    a prompt: the 300- and 500-token prompts' rows read them through cascade groups, their own tokens
+    through the transposed kernel (the numbers quoted are the n=1 case's)."""
     from furlong.engine import Engine, EngineConfig, Request, SamplingParams
     from furlong.trainer.logprobs import chunked_log_probs
     from test_engine_gpu import NullTok, small_model
@@ -234,25 +238,27 @@ def test_engine_transposed_fp8_kernel_matches_padded():
     runs, gaps = {}, {}
     for transposed in (False, True):
         eng = Engine(model, NullTok(), [], EngineConfig(max_model_len=900, max_num_seqs=16, kv_dtype="fp8_e4m3"))
-        eng.runner.transposed_fp8 = transposed
+        eng.runner.fp8_kernel = kernel if transposed else "padded"
         runs[transposed] = eng.generate([Request(i, p, SamplingParams(temperature=0.0, max_new_tokens=200,
-                                                                      ignore_eos=True)) for i, p in enumerate(prompts)])
+                                                                      ignore_eos=True), n=n)
+                                         for i, p in enumerate(prompts)])
+        assert (eng.stats.num_grouped_rows > 0) == (n > 1)
         eng.release()
         diffs = []
         for p, comps in zip(prompts, runs[transposed]):
-            ids = torch.tensor(p + comps[0].token_ids, device="cuda")
+            ids = torch.tensor(p + comps[-1].token_ids, device="cuda")
             cu = torch.tensor([0, len(ids)], dtype=torch.int32, device="cuda")
             hidden = model.forward_packed(ids, torch.arange(len(ids), device="cuda"), cu, len(ids))
             lp = chunked_log_probs(hidden[len(p) - 1:-1], model.output_weight, ids[len(p):], 1.0, compiled=False)
             lp = lp[0] if isinstance(lp, tuple) else lp
-            diffs.append((lp.float() - torch.tensor(comps[0].log_probs, device="cuda")).abs())
+            diffs.append((lp.float() - torch.tensor(comps[-1].log_probs, device="cuda")).abs())
         gaps[transposed] = torch.cat(diffs).mean().item()
-    print(f"mean |trainer - engine| log-prob: padded {gaps[False]:.5f}, transposed {gaps[True]:.5f}")
+    print(f"mean |trainer - engine| log-prob: padded {gaps[False]:.5f}, {kernel} {gaps[True]:.5f}")
     assert gaps[True] <= 1.1 * gaps[False] + 1e-3          # 0.02860 against 0.02861 on an H100
-    for a, b in zip(runs[False], runs[True]):
-        same = next((i for i, (x, y) in enumerate(zip(a[0].token_ids, b[0].token_ids)) if x != y), 200)
-        assert same >= 50, (same, a[0].token_ids[:same + 1], b[0].token_ids[:same + 1])
-        steps = [abs(x - y) for x, y in zip(a[0].log_probs[:same], b[0].log_probs[:same])]
+    for a, b in ((x, y) for ra, rb in zip(runs[False], runs[True]) for x, y in zip(ra, rb)):
+        same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), 200)
+        assert same >= 50, (same, a.token_ids[:same + 1], b.token_ids[:same + 1])
+        steps = [abs(x - y) for x, y in zip(a.log_probs[:same], b.log_probs[:same])]
         assert sum(steps) / len(steps) < 0.01 and max(steps) < 0.1   # 0.0021-0.0061 and 0.015-0.060
 
 

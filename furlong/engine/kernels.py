@@ -50,14 +50,14 @@ def split_tiles(lo, hi, part, num_parts, BLOCK_N: tl.constexpr):
 @triton.jit
 def _decode_attn_kernel(Q, K, V, KS, VS, BT, CL, PL, GR, GP, O, LSE, OUT,
                         s_qb, s_qh, s_kp, s_kh, s_ks, s_sp, s_sh, s_bt, s_gr, s_ob, s_oh, s_os, s_lb, s_lh, s_outb,
-                        s_outh, scale, num_splits, group_splits,
+                        s_outh, scale, num_splits, group_splits, first_split,
                         GROUP: tl.constexpr, QP: tl.constexpr, MEMBERS: tl.constexpr, D: tl.constexpr,
                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, CASCADE: tl.constexpr,
                         FP8: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr, EARLY_V: tl.constexpr,
                         V_DIM_MAJOR: tl.constexpr):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
-    sp = tl.program_id(2)
+    sp = tl.program_id(2) + first_split   # first_split S: a launch of the cascade's group programs only
     i = tl.arange(0, QP)
     d = tl.arange(0, D)
     n = tl.arange(0, BLOCK_N)
@@ -182,8 +182,9 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     prefix (cascade): rows that share their first tokens' KV read it once per group (see PrefixGroups),
     each group's prefix split `group_splits` ways; the first B // group_splits groups are read. A
     grouped row's prefix must be shorter than its context (the engine's always is: it holds the prompt).
-    transposed: an fp8 cache's launches without cascade groups run kernels_transposed.py's kernel (the
-    KV tokens as the dots' rows; the engine's default); others ignore it."""
+    transposed: an fp8 cache's row programs run kernels_transposed.py's kernel (the KV tokens as the
+    dots' rows); with cascade groups the group programs are the padded kernel's, a second launch into the
+    same partials. bf16 and token-major V ignore it."""
     num_rows, num_heads, dim = q.shape
     _, num_kv, page, _ = keys.shape
     group = num_heads // num_kv
@@ -199,6 +200,8 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     # each engine setting swept (an H100: 0.741 against 0.769 ms at B=256 x 4096, 0.020 against 0.023 ms
     # at B=32 x 640); the sweep had no cascade groups, whose programs keep the 2 warps they were
     # measured and tested with
+    # (the transposed kernel's programs, cascade launches' row programs included: 1 warp)
+    row_warps = num_warps or 1
     num_warps = num_warps or (4 if not fp8 else 1 if v_dim_major and prefix is None else 2)
     # V's load issued beside K's: fp8 0.848 against 0.902 ms at B=256 x 4096, 0.144 against 0.154 at x 640
     # (an H100); bf16 ties either way and keeps V's load after the softmax
@@ -224,18 +227,21 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     else:
         pl = gr = gp = context_lens     # unused
         members = 1
-    if transposed and fp8 and v_dim_major and not cascade:
+    transposed = transposed and fp8 and v_dim_major
+    if transposed:
         from furlong.engine.kernels_transposed import launch_transposed
         launch_transposed(q, keys, values, key_scales, value_scales, block_tables, context_lens, num_splits,
-                          block_n, part, lse, out, direct, num_warps, num_stages)
-    else:
-        _decode_attn_kernel[(num_rows, num_kv, num_splits + 1 if cascade else num_splits)](
+                          block_n, part, lse, out, direct, row_warps, num_stages,
+                          pl if cascade else None)
+    if cascade or not transposed:
+        first = num_splits if transposed else 0          # transposed: the row programs ran above
+        _decode_attn_kernel[(num_rows, num_kv, num_splits + 1 - first if cascade else num_splits)](
             q, keys, values, ks, vs, block_tables, context_lens, pl, gr, gp, part, lse, out,
             q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
             ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0, block_tables.stride(0),
             gr.stride(0), part.stride(0), part.stride(1), part.stride(2) if not direct else 0, lse.stride(0),
             lse.stride(1), out.stride(0), out.stride(1), 1.0 / math.sqrt(dim), num_splits,
-            group_splits, GROUP=group, QP=qp, MEMBERS=members, D=dim, PAGE=page, BLOCK_N=block_n,
+            group_splits, first, GROUP=group, QP=qp, MEMBERS=members, D=dim, PAGE=page, BLOCK_N=block_n,
             DIRECT=direct, CASCADE=cascade, FP8=fp8, V_DIM_MAJOR=v_dim_major,
             DOT=tl.float32 if q.dtype == torch.float32 else tl.float16,   # fp8 tiles' dot dtype (docstring)
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", EARLY_V=early_v, num_warps=num_warps,

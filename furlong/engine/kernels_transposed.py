@@ -18,11 +18,13 @@ warp, 162 registers. Written as the padded kernel's loop (masked K loads, base-e
 P.V accumulate), it compiled to 1,063 at 8 columns and 1,574 at 16: most of the saving is the padding,
 ~190 instructions the three changes (below). On an H100 one layer's attention is 1.01-1.06x faster at
 6,144-token contexts (B=256 to 12), 0.98x at B=256 x 1,024, and the long rollout 60.9 -> 57.7 s
-(BENCHMARKS.md): the engine's default for fp8 (ModelRunner.transposed_fp8).
+(BENCHMARKS.md): the engine's default for fp8 (kv_cache.FP8_KERNELS).
 
 Same inputs, scales, splits and outputs as the padded kernel's non-cascade programs (kernels.py's
-docstring), so its partial outputs go to the same combine kernel. fp8 only, V dim-major only, no
-cascade groups (their programs hold up to 16 real rows and keep the padded kernel).
+docstring), so its partial outputs go to the same combine kernel. fp8 only, V dim-major only. In a
+cascade launch (CASCADE) it runs the row programs only, each row's own tokens [PL[row], CL[row]) into
+slots [0, num_splits); the group programs (MEMBERS x GROUP real rows: no padding to save) stay the
+padded kernel's, launched beside it into the slots after (kernels.paged_decode_attention).
 """
 from __future__ import annotations
 
@@ -36,12 +38,12 @@ from furlong.engine.kernels import split_tiles
 
 
 @triton.jit
-def _decode_attn_transposed_kernel(Q, K, V, KS, VS, BT, CL, O, LSE, OUT,
+def _decode_attn_transposed_kernel(Q, K, V, KS, VS, BT, CL, PL, O, LSE, OUT,
                                    s_qb, s_qh, s_kp, s_kh, s_ks, s_sp, s_sh, s_bt, s_ob, s_oh, s_os, s_lb, s_lh,
                                    s_outb, s_outh, scale, num_splits,
                                    GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                                    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT: tl.constexpr,
-                                   PRECISION: tl.constexpr):
+                                   PRECISION: tl.constexpr, CASCADE: tl.constexpr):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -51,7 +53,8 @@ def _decode_attn_transposed_kernel(Q, K, V, KS, VS, BT, CL, O, LSE, OUT,
     heads = kvh * GROUP + g
     hmask = g < GROUP
     hi = tl.load(CL + row)
-    t0, t1 = split_tiles(0, hi, sp, num_splits, BLOCK_N)
+    lo = tl.load(PL + row) if CASCADE else 0     # a grouped row's prompt is its group program's
+    t0, t1 = split_tiles(lo, hi, sp, num_splits, BLOCK_N)
     # Q^T [D, GP]; fp16 for the dots, as the padded kernel (e4m3 widens to fp16 in one instruction). The
     # softmax runs in base 2 with 1/sqrt(D) and log2(e) folded into Q (one rounding of q to fp16: 2^-11
     # relative, against e4m3's 2^-4 on K): two multiplies a score fewer, m and the log-sum-exp in log2 units
@@ -67,8 +70,10 @@ def _decode_attn_transposed_kernel(Q, K, V, KS, VS, BT, CL, O, LSE, OUT,
         base = page * s_kp + kvh * s_kh
         slot = tl.multiple_of(start % PAGE, BLOCK_N) + n
         valid = (start + n) < hi
+        if CASCADE:
+            valid = valid & ((start + n) >= lo)
         # K [N, D] and its scales unmasked (no predicates: 89 instructions a tile fewer than masked loads):
-        # a slot past the context is inside the row's page, and whatever it holds, NaN bytes included,
+        # a slot outside [lo, hi) is inside the row's page, and whatever it holds, NaN bytes included,
         # stays in its own row of S^T, which the `where` below replaces
         k = tl.load(K + base + slot[:, None] * s_ks + d[None, :])
         # V^T [D, N], tokens contiguous: unmasked (16-byte loads) too, but p weighs a slot past the context
@@ -106,17 +111,21 @@ def _decode_attn_transposed_kernel(Q, K, V, KS, VS, BT, CL, O, LSE, OUT,
 
 
 def launch_transposed(q, keys, values, key_scales, value_scales, block_tables, context_lens, num_splits: int,
-                      block_n: int, part, lse, out, direct: bool, num_warps: int, num_stages: int) -> None:
+                      block_n: int, part, lse, out, direct: bool, num_warps: int, num_stages: int,
+                      prefix_lens: torch.Tensor | None = None) -> None:
     """The kernel over grid (rows, KV heads, splits), arguments as kernels.paged_decode_attention prepares
-    them (part/lse: the split partials, unused when `direct`)."""
+    them (part/lse: the split partials, unused when `direct`); prefix_lens [B] int32: a cascade launch's
+    row programs, each row from its prefix on."""
     num_rows, num_heads, dim = q.shape
     _, num_kv, page, _ = keys.shape
     group = num_heads // num_kv
     _decode_attn_transposed_kernel[(num_rows, num_kv, num_splits)](
-        q, keys, values, key_scales, value_scales, block_tables, context_lens, part, lse, out,
+        q, keys, values, key_scales, value_scales, block_tables, context_lens,
+        context_lens if prefix_lens is None else prefix_lens, part, lse, out,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), key_scales.stride(0),
         key_scales.stride(1), block_tables.stride(0), part.stride(0), part.stride(1),
         part.stride(2) if not direct else 0, lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
         1.0 / math.sqrt(dim), num_splits, GROUP=group, GP=max(8, triton.next_power_of_2(group)), D=dim, PAGE=page,
         BLOCK_N=block_n, DIRECT=direct, DOT=tl.float32 if q.dtype == torch.float32 else tl.float16,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", CASCADE=prefix_lens is not None,
+        num_warps=num_warps, num_stages=num_stages)

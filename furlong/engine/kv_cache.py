@@ -189,6 +189,12 @@ class PrefillContext:
         return packed_attention(q, k, v, self.cu_seqlens, self.max_seqlen)
 
 
+# an fp8 cache's decode attention kernel, by name (ModelRunner.fp8_kernel): "padded", kernels.py's for every
+# launch; "transposed", kernels_transposed.py's for launches without cascade groups (the default: 1.06x over
+# the long rollout on an H100); "transposed-all", also a cascade launch's row programs (not measured on a GPU)
+FP8_KERNELS = ("padded", "transposed", "transposed-all")
+
+
 @dataclass
 class DecodeContext:
     cache: PagedKVCache
@@ -200,7 +206,11 @@ class DecodeContext:
     use_triton: bool
     prefix: PrefixGroups | None = None   # cascade: rows forked from one prompt read its KV once (cascade.py)
     group_splits: int = 1                # cascade: KV-length splits of each group's prefix
-    transposed: bool = False             # fp8: kernels_transposed.py's kernel (kernels.paged_decode_attention)
+    fp8_kernel: str = "padded"           # FP8_KERNELS
+
+    def __post_init__(self):
+        if self.fp8_kernel not in FP8_KERNELS:
+            raise ValueError(f"DecodeContext: fp8_kernel {self.fp8_kernel!r} is none of {FP8_KERNELS}")
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.write(layer, self.page, self.offset, k, v)
@@ -223,7 +233,8 @@ class DecodeContext:
             from furlong.engine.kernels import paged_decode_attention
             return paged_decode_attention(q, c.keys, c.values, self.block_tables, self.context_lens, self.num_splits,
                                           prefix=self.prefix, group_splits=self.group_splits,
-                                          transposed=self.transposed, **scales)
+                                          transposed=self.fp8_kernel == "transposed-all" or
+                                          (self.fp8_kernel == "transposed" and self.prefix is None), **scales)
         if self.prefix is not None:
             return cascade_attention_reference(q, c.keys, c.values, self.block_tables, self.context_lens,
                                                self.prefix, **scales)

@@ -80,10 +80,9 @@ class ModelRunner:
         # a tie over the long rollout: splits.py); may be switched between decode windows (graphs are per count)
         self.split_rule = "programs"
         # switchable between windows (graph key): decode steps norm and rope q, k and store the KV in one kernel
-        # a layer (store_kernels.decode_prologue; off: for benches); fp8 attention by kernels_transposed.py
-        # (off: kernels.py's padded kernel, 1.06x slower over the long rollout on an H100)
+        # a layer (store_kernels.decode_prologue; off: for benches); fp8 attention's kernel (kv_cache.FP8_KERNELS)
         self.fuse_prologue = True
-        self.transposed_fp8 = True
+        self.fp8_kernel = "transposed"
         self.pool = None
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.on_gpu else 1
         self.cache_memory = CacheMemory(self.layout, self.device)   # the KV cache's bytes per session
@@ -223,7 +222,7 @@ class ModelRunner:
             return 1
         if self.split_rule == "programs":
             return program_splits(padded_rows, self.args.num_kv_heads, self.num_sms)
-        slots = self.num_sms * resident_programs(self.layout.scaled, cascade, self.transposed_fp8)
+        slots = self.num_sms * resident_programs(self.layout.scaled, cascade, self.fp8_kernel != "padded")
         # 64: the kernel's default tile (kernels.paged_decode_attention's block_n, at most a page)
         return wave_splits(num_rows, longest, min(64, self.page_size), self.args.num_kv_heads, slots)
 
@@ -240,7 +239,7 @@ class ModelRunner:
         page = x.block_tables.gather(1, (x.positions // self.page_size)[:, None]).squeeze(1).long()
         ctx = DecodeContext(self.cache, page, x.positions % self.page_size, x.block_tables,
                             (x.positions + 1).to(torch.int32), splits, self.on_gpu,
-                            x.groups if cascade else None, self.group_splits(rows), self.transposed_fp8)
+                            x.groups if cascade else None, self.group_splits(rows), self.fp8_kernel)
         fused = ctx.attend_qkv if self.on_gpu and self.fuse_prologue else None
         logits = self.forward.logits(self.forward.hidden(x.input_ids, x.positions, ctx.attend, fused))
         tok, lp = self.sample(logits, x.sampling(x.positions + 1), truncate)
@@ -283,7 +282,7 @@ class ModelRunner:
         cascade = bool(groups.groups)
         # the longest context the window reaches (the rows grow by one token a step)
         splits = self.num_splits(num, rows, max(s.num_tokens for s in seqs) + window, cascade)
-        graph_key = (rows, truncate, cascade, splits, self.fuse_prologue, self.transposed_fp8)
+        graph_key = (rows, truncate, cascade, splits, self.fuse_prologue, self.fp8_kernel)
         if self.use_cuda_graphs and graph_key not in self.graphs:
             self._capture(graph_key)     # overwrote the buffers: clear() restages them all
         self.inputs.stage(seqs, rows, key, groups, self.args.vocab_size)
