@@ -159,7 +159,7 @@ def main() -> None:
     w = load_workload(a.workload)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    samples_by_run, fits, report = {}, {}, {}     # keyed by run: '<kv dtype> <split rule>[ transposed]'
+    samples_by_run, fits, report = {}, {}, {}     # keyed by run: '<kv dtype> <split rule>[ <fp8 kernel>]'
     for kv in a.kv_dtype.split(","):
         b = Bench(w, kv_dtype=kv)
         g = torch.Generator().manual_seed(b.seed + 2)

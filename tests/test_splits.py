@@ -72,7 +72,7 @@ def test_model_runner_dispatches_each_rule(tmp_path):
 def test_resident_programs_by_kernel_variant():
     assert resident_programs(fp8=True, cascade=False, transposed=True) == 9
     assert resident_programs(fp8=True, cascade=False, transposed=False) == 8
-    assert resident_programs(fp8=True, cascade=True, transposed=True) == 4        # cascade keeps the padded one
+    assert resident_programs(fp8=True, cascade=True, transposed=True) == 4        # the group programs' count
     assert all(resident_programs(fp8=False, cascade=c, transposed=t) == 4 for c in (0, 1) for t in (0, 1))
     # the counts follow from the sm_90 compiles splits.py cites (registers, warps, shared bytes)
     assert programs_per_sm(205, 1, 19968) == resident_programs(fp8=True, cascade=False, transposed=True)

@@ -248,7 +248,7 @@ class ModelRunner:
         x.input_ids.copy_(tok)
         x.positions.add_(1)
 
-    def _capture(self, key: tuple[int, bool, bool, int, bool, bool]) -> None:
+    def _capture(self, key: tuple[int, bool, bool, int, bool, str]) -> None:
         rows, truncate, cascade, splits = key[:4]
         self.inputs.clear(rows)                # padded-row state: position 0, scratch page 0, no groups
         self._step(rows, truncate, cascade, splits)    # warm-up: compiles the Triton kernels

@@ -49,7 +49,9 @@ def programs_per_sm(n_regs: int, num_warps: int, shared_bytes: int, smem_per_sm:
 def resident_programs(fp8: bool, cascade: bool, transposed: bool) -> int:
     """Decode kernel programs one sm_90 multiprocessor holds at once, as the engine launches them
     (kernels.paged_decode_attention's default warps: fp8 1, or 2 with cascade groups; bf16 4);
-    `transposed`: an fp8 launch without cascade groups runs kernels_transposed.py's kernel."""
+    `transposed`: an fp8 launch without cascade groups runs kernels_transposed.py's kernel. A cascade
+    launch counts its group programs' 4 (with ModelRunner.fp8_kernel "transposed-all" its row programs
+    would hold 9: the wave rule, not the engine's, then undercounts them)."""
     if not fp8:
         return 4
     return 4 if cascade else 9 if transposed else 8
