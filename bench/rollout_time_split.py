@@ -149,9 +149,9 @@ def main() -> None:
     ap.add_argument("--kv-dtype", default="fp8_e4m3,bf16")
     ap.add_argument("--split-rule", default="programs",
                     help="the decode kernel's split rules to run, each on the same engine (splits.py): waves,programs")
-    ap.add_argument("--fp8-kernel", default="transposed",
+    ap.add_argument("--fp8-kernel", default="transposed-all",
                     help="an fp8 cache's decode kernels to run, each on the same engine (kv_cache.FP8_KERNELS): "
-                         "padded, transposed (the engine's), transposed-all; bf16 runs the padded one")
+                         "padded, transposed, transposed-all (the engine's); bf16 runs the padded one")
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
     if set(a.fp8_kernel.split(",")) - set(FP8_KERNELS):

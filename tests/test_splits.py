@@ -61,7 +61,7 @@ def test_model_runner_dispatches_each_rule(tmp_path):
     # 2 KV heads here: 70 real rows pick 8 on the transposed fp8 kernel's 1,188 slots, 6 on the padded
     # one's 1,056, 3 on the cascade variant's 528, and 60 real rows in the same bucket 8: each input
     # reaches the rule
-    assert runner.fp8_kernel == "transposed"                            # the engine's default
+    assert runner.fp8_kernel == "transposed-all"                        # the engine's default
     assert runner.num_splits(70, 80, 4096, False) == wave_splits(70, 4096, 64, 2, 132 * 9) == 8
     assert runner.num_splits(70, 80, 4096, True) == wave_splits(70, 4096, 64, 2, 132 * 4) == 3
     runner.fp8_kernel = "padded"

@@ -82,7 +82,7 @@ class ModelRunner:
         # switchable between windows (graph key): decode steps norm and rope q, k and store the KV in one kernel
         # a layer (store_kernels.decode_prologue; off: for benches); fp8 attention's kernel (kv_cache.FP8_KERNELS)
         self.fuse_prologue = True
-        self.fp8_kernel = "transposed"
+        self.fp8_kernel = "transposed-all"
         self.pool = None
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.on_gpu else 1
         self.cache_memory = CacheMemory(self.layout, self.device)   # the KV cache's bytes per session
