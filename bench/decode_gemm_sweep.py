@@ -15,9 +15,12 @@ step reads a weight not in L2), median of 5 x 20 replays, as one or more impleme
     autotune-dynamic  the same compiled once per weight shape with a dynamic M, tuned at the first batch
                of --batch (list the largest first), then run at every batch: how the engine's compiled
                functions (dynamic token counts) would use it
+    splitk     bench/skinny_linear.py's split-K Triton kernel (deterministic fix-up, no memset), the fastest
+               of its candidate configs for each shape and batch (the config is printed): whether a kernel
+               that spreads a skinny GEMM's weight over every multiprocessor beats cuBLAS here
 
     python3 bench/decode_gemm_sweep.py [--batch 16,64,128,256] [--model qwen3-0.6b|qwen3-4b|qwen3-8b]
-        [--impl cublas,cublaslt,autotune] [--shapes qkv,o,...] [--bandwidth-tbs 3.35] [--peak-tflops 790]
+        [--impl cublas,cublaslt,autotune,splitk] [--shapes qkv,o,...] [--bandwidth-tbs 3.35] [--peak-tflops 790]
         [--out DIR]
 """
 from __future__ import annotations
@@ -60,6 +63,15 @@ def linear_impl(name: str):
     if name == "autotune-dynamic":
         return torch.compile(_dynamic_linear, mode="max-autotune-no-cudagraphs", dynamic=True)
     raise ValueError(f"--impl: unknown implementation {name!r} (cublas, cublaslt, autotune, autotune-dynamic)")
+
+
+def best_splitk(x: torch.Tensor, weights: list[torch.Tensor]) -> tuple[float, object]:
+    """(ms, SkinnyLinear) of the fastest candidate config (skinny_linear.candidate_configs) at this shape."""
+    from skinny_linear import SkinnyLinear, candidate_configs
+    n, k = weights[0].shape
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    timed = [(time_linear(x, weights, lin), lin) for lin in map(SkinnyLinear, candidate_configs(len(x), k, n, sms))]
+    return min(timed, key=lambda t: t[0])
 
 
 def time_linear(x: torch.Tensor, weights: list[torch.Tensor], fn=F.linear) -> float:
@@ -108,22 +120,29 @@ def main() -> None:
     for name, (k, n) in wanted.items():
         copies = 2 if name == "lm_head" else COPIES    # the head is one weight (311 MB at 0.6B: past L2 anyway)
         weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-        per_shape = {i: linear_impl(i) for i in impls if i != "autotune"}     # "autotune" compiles per batch
+        per_shape = {i: linear_impl(i) for i in impls if i not in ("autotune", "splitk")}     # "autotune" compiles per batch
         for b in (int(x) for x in a.batch.split(",")):
             fns = {**per_shape, **({"autotune": linear_impl("autotune")} if "autotune" in impls else {})}
             x = torch.randn(b, k, device=dev, dtype=torch.bfloat16)
             ref = F.linear(x, weights[0]).float()
             for impl in impls:
                 torch.backends.cuda.preferred_blas_library("cublaslt" if impl == "cublaslt" else "cublas")
-                ms = time_linear(x, weights, fns[impl])
-                err = (fns[impl](x, weights[0]).float() - ref).abs().max().item()
+                note = ""
+                if impl == "splitk":
+                    ms, fn = best_splitk(x, weights)
+                    note = f"  {fn.config}"
+                else:
+                    fn = fns[impl]
+                    ms = time_linear(x, weights, fn)
+                err = (fn(x, weights[0]).float() - ref).abs().max().item()
                 floor_ms = max(2 * n * k / a.bandwidth_tbs / 1e9, 2 * b * n * k / a.peak_tflops / 1e9)
                 rows.append({"shape": name, "impl": impl, "k": k, "n": n, "batch": b, "ms": ms,
                              "floor_ms": floor_ms, "max_abs_diff_vs_cublas": err,
-                             "weight_tbs": 2 * n * k / ms / 1e9, "tflops": 2 * b * n * k / ms / 1e9})
+                             "weight_tbs": 2 * n * k / ms / 1e9, "tflops": 2 * b * n * k / ms / 1e9,
+                             "config": note.strip()})
                 print(f"{name:8s} {impl:9s} K={k:5d} N={n:6d} B={b:4d}  {ms * 1000:8.2f} us  floor "
                       f"{floor_ms * 1000:7.2f} us ({floor_ms / ms:5.1%})  weights {rows[-1]['weight_tbs']:.2f} "
-                      f"TB/s  |diff| {err:.2g}", flush=True)
+                      f"TB/s  |diff| {err:.2g}{note}", flush=True)
             torch.backends.cuda.preferred_blas_library("cublas")
         del weights
     layers = MODELS[a.model][-1]

@@ -10,7 +10,12 @@
 # GPU), `rows` on an H200 (issue 20's table is the H200's), the decode
 # matmuls against other kernels (`levers`), whether 8B fits an H100 now that the compiled layers survive the
 # small probes (`h100`).
-#   bash bench/pending_device.sh transposed|cascade|rows|levers|h100|call0|h200|either|call1|call2|call3
+#   bash bench/pending_device.sh fixed|transposed|cascade|rows|levers|h100|call0|h200|either|call1|call2|call3
+# fixed  two levers on the decode step's fixed cost (issue 21: ~1.24-1.34 ms a step over the long rollout's
+#        8,191): the long fp8 rollout with inductor's programmatic dependent launch off and on
+#        (TORCHINDUCTOR_ENABLE_PDL: the compiled norm/RoPE/SiLU kernels may start while the kernel before
+#        them drains), two processes one after the other; bench/skinny_linear.py's split-K matmul (its
+#        GPU test first) against cuBLAS at the decode shapes on the time left
 # call0  Qwen3-8B full-parameter with --optimizer-cpu-offload (issue 20: trains, step time), on an H200 only
 #        (on an H100 the plan refuses it: 75 GiB of 72 usable from the 4096/8192 probes, and its 1024-token
 #        probes ran out of memory, BENCHMARKS.md session 22), with the engine's weights released (the
@@ -69,6 +74,21 @@ split_long() {   # $1: seconds
     echo "== rollout time split: exit $?"; grep -E "s = fixed|\(steady|warm-up rollout|Error" "$OUT/rollout_time_split.log"
 }
 case ${1:-} in
+fixed)
+    timeout -k 10 60 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging tests/test_skinny_linear.py \
+        >"$OUT/skinny_tests.log" 2>&1; echo "== split-K GPU test: exit $?"; tail -1 "$OUT/skinny_tests.log"
+    for pdl in 0 1; do       # each its own inductor cache: no kernel compiled one way reused the other
+        export TORCHINDUCTOR_ENABLE_PDL=$pdl TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_pdl$pdl
+        python3 -c "import torch._inductor.config as c; print('== inductor enable_pdl', getattr(c.triton, 'enable_pdl', 'absent'))"
+        mkdir -p "$OUT/pdl$pdl"
+        timeout -k 10 190 python3 bench/rollout_time_split.py --workload bench/long_workload.json --kv-dtype fp8_e4m3 \
+            --out "$OUT/pdl$pdl" >"$OUT/pdl$pdl.log" 2>&1
+        echo "== long rollout, PDL $pdl: exit $?"; grep -E "s = fixed|\(steady|warm-up rollout|Error" "$OUT/pdl$pdl.log"
+    done
+    unset TORCHINDUCTOR_ENABLE_PDL TORCHINDUCTOR_CACHE_DIR
+    timeout -k 10 ${SWEEP_S:-140} python3 bench/decode_gemm_sweep.py --batch 256,64,16 --shapes o,down,qkv,gate_up \
+        --impl cublas,splitk --out "$OUT" >"$OUT/decode_gemm_sweep.log" 2>&1
+    echo "== decode GEMM sweep, cuBLAS vs split-K: exit $?"; grep -E "^(qkv|o|gate_up|down) |step|Error" "$OUT/decode_gemm_sweep.log" ;;
 call0)
     steps_8b 300
     SECS_8B=240 bash bench/bigger_models.sh 8b-optoff-free ;;
@@ -147,5 +167,5 @@ call3)
         python3 -c "import json, sys; g = json.load(open(sys.argv[1]))['rollout_logprob_abs_diff']; \
 print('mean |trainer - engine| log-prob', round(sum(v for _, v in g) / max(1, len(g)), 5))" "$OUT/demo_${v}_evals.json"
     done ;;
-*) echo "usage: bash bench/pending_device.sh transposed|cascade|rows|levers|h100|call0|h200|either|call1|call2|call3"; exit 2 ;;
+*) echo "usage: bash bench/pending_device.sh fixed|transposed|cascade|rows|levers|h100|call0|h200|either|call1|call2|call3"; exit 2 ;;
 esac
