@@ -81,12 +81,13 @@ fixed)
         export TORCHINDUCTOR_ENABLE_PDL=$pdl TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_pdl$pdl
         python3 -c "import torch._inductor.config as c; print('== inductor enable_pdl', getattr(c.triton, 'enable_pdl', 'absent'))"
         mkdir -p "$OUT/pdl$pdl"
-        timeout -k 10 190 python3 bench/rollout_time_split.py --workload bench/long_workload.json --kv-dtype fp8_e4m3 \
+        timeout -k 10 ${PDL_S:-190} python3 bench/rollout_time_split.py --workload bench/long_workload.json --kv-dtype fp8_e4m3 \
             --out "$OUT/pdl$pdl" >"$OUT/pdl$pdl.log" 2>&1
         echo "== long rollout, PDL $pdl: exit $?"; grep -E "s = fixed|\(steady|warm-up rollout|Error" "$OUT/pdl$pdl.log"
     done
     unset TORCHINDUCTOR_ENABLE_PDL TORCHINDUCTOR_CACHE_DIR
-    timeout -k 10 ${SWEEP_S:-140} python3 bench/decode_gemm_sweep.py --batch 256,64,16 --shapes o,down,qkv,gate_up \
+    timeout -k 10 ${SWEEP_S:-140} python3 bench/decode_gemm_sweep.py --batch ${SWEEP_BATCH:-256,64,16} \
+        --shapes ${SWEEP_SHAPES:-o,down,qkv,gate_up} \
         --impl cublas,splitk --out "$OUT" >"$OUT/decode_gemm_sweep.log" 2>&1
     echo "== decode GEMM sweep, cuBLAS vs split-K: exit $?"; grep -E "^(qkv|o|gate_up|down) |step|Error" "$OUT/decode_gemm_sweep.log" ;;
 call0)
