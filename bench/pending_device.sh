@@ -81,8 +81,8 @@ fixed)
         export TORCHINDUCTOR_ENABLE_PDL=$pdl TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_pdl$pdl
         python3 -c "import torch._inductor.config as c; print('== inductor enable_pdl', getattr(c.triton, 'enable_pdl', 'absent'))"
         mkdir -p "$OUT/pdl$pdl"
-        timeout -k 10 ${PDL_S:-190} python3 bench/rollout_time_split.py --workload bench/long_workload.json --kv-dtype fp8_e4m3 \
-            --out "$OUT/pdl$pdl" >"$OUT/pdl$pdl.log" 2>&1
+        timeout -k 10 ${PDL_S:-190} python3 bench/rollout_time_split.py --workload ${PDL_WORKLOAD:-bench/long_workload.json} \
+            --kv-dtype fp8_e4m3 --out "$OUT/pdl$pdl" >"$OUT/pdl$pdl.log" 2>&1
         echo "== long rollout, PDL $pdl: exit $?"; grep -E "s = fixed|\(steady|warm-up rollout|Error" "$OUT/pdl$pdl.log"
     done
     unset TORCHINDUCTOR_ENABLE_PDL TORCHINDUCTOR_CACHE_DIR
