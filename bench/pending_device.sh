@@ -12,9 +12,9 @@
 # small probes (`h100`).
 #   bash bench/pending_device.sh fixed|transposed|cascade|rows|levers|h100|call0|h200|either|call1|call2|call3
 # fixed  two levers on the decode step's fixed cost (issue 21: ~1.24-1.34 ms a step over the long rollout's
-#        8,191): the long fp8 rollout with inductor's programmatic dependent launch off and on
-#        (TORCHINDUCTOR_ENABLE_PDL: the compiled norm/RoPE/SiLU kernels may start while the kernel before
-#        them drains), two processes one after the other; bench/skinny_linear.py's split-K matmul (its
+#        8,191): the graphed fp8 decode step (bench/profile_decode.py, B x context in PDL_SHAPES) with
+#        inductor's programmatic dependent launch off and on (TORCHINDUCTOR_ENABLE_PDL: the compiled
+#        norm/RoPE/SiLU kernels may start while the kernel before them drains), a process each; bench/skinny_linear.py's split-K matmul (its
 #        GPU test first) against cuBLAS at the decode shapes on the time left
 # call0  Qwen3-8B full-parameter with --optimizer-cpu-offload (issue 20: trains, step time), on an H200 only
 #        (on an H100 the plan refuses it: 75 GiB of 72 usable from the 4096/8192 probes, and its 1024-token
@@ -80,10 +80,12 @@ fixed)
     for pdl in 0 1; do       # each its own inductor cache: no kernel compiled one way reused the other
         export TORCHINDUCTOR_ENABLE_PDL=$pdl TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_pdl$pdl
         python3 -c "import torch._inductor.config as c; print('== inductor enable_pdl', getattr(c.triton, 'enable_pdl', 'absent'))"
-        mkdir -p "$OUT/pdl$pdl"
-        timeout -k 10 ${PDL_S:-190} python3 bench/rollout_time_split.py --workload ${PDL_WORKLOAD:-bench/long_workload.json} \
-            --kv-dtype fp8_e4m3 --out "$OUT/pdl$pdl" >"$OUT/pdl$pdl.log" 2>&1
-        echo "== long rollout, PDL $pdl: exit $?"; grep -E "s = fixed|\(steady|warm-up rollout|Error" "$OUT/pdl$pdl.log"
+        for shape in ${PDL_SHAPES:-32x2048 256x640}; do
+            timeout -k 10 ${PDL_S:-90} python3 bench/profile_decode.py --batch ${shape%x*} --context ${shape#*x} \
+                --kv-dtype fp8_e4m3 --fuse-prologue on --out "$OUT/pdl${pdl}_$shape" >"$OUT/pdl${pdl}_$shape.log" 2>&1
+            echo "== decode step B x context $shape, PDL $pdl: exit $?"
+            grep -E '"(graphed_step_ms|kernel_ms_per_step|kernels_per_step)"|Error' "$OUT/pdl${pdl}_$shape.log"
+        done
     done
     unset TORCHINDUCTOR_ENABLE_PDL TORCHINDUCTOR_CACHE_DIR
     timeout -k 10 ${SWEEP_S:-140} python3 bench/decode_gemm_sweep.py --batch ${SWEEP_BATCH:-256,64,16} \
