@@ -4,18 +4,24 @@
 # about three, fewer when starts fail).
 # Run on an H200 in session 23 (BENCHMARKS.md): `either` (its h200 branch: 8B trains, 15.7 s a train step; the
 # long rollout 51.4 s fp8, 75.5 s bf16) and call2's decode probe. Run on an H100 in session 25: `transposed`
-# (the transposed fp8 kernel: long rollout 60.9 -> 57.7 s, now the engine's default) and `rows`. Still owed,
-# most important first: `transposed` on an H200 (issue 21's own card: the long rollout with the transposed
-# kernel against session 23's 51.4 s), `cascade` (the transposed kernel in cascade launches, never run on a
-# GPU), `rows` on an H200 (issue 20's table is the H200's), the decode
-# matmuls against other kernels (`levers`), whether 8B fits an H100 now that the compiled layers survive the
-# small probes (`h100`).
-#   bash bench/pending_device.sh fixed|transposed|cascade|rows|levers|h100|call0|h200|either|call1|call2|call3
+# (the transposed fp8 kernel: long rollout 60.9 -> 57.7 s, now the engine's default) and `rows`; in session
+# 26: `transposed` again (62.9 -> 58.2 s), `cascade` (72.2 -> 64.1 s: "transposed-all" is now the default)
+# and `levers` (no library, autotuner or kernel-setting lever for the decode step's fixed cost). Still
+# owed, most important first: `overlap` (the step's rows as two halves on two streams: the one lever left
+# that could take a large part of the fixed ~1.3 ms a step), `fixed` (inductor's PDL, a split-K matmul),
+# `transposed` on an H200 (issue 21's own card: against session 23's 51.4 s), `rows` on an H200 (issue
+# 20's table is the H200's), whether 8B fits an H100 (`h100`).
+#   bash bench/pending_device.sh overlap|fixed|transposed|cascade|rows|levers|h100|call0|h200|either|call1|call2|call3
+# overlap decode steps as two halves of the rows on two streams (engine/overlap.py, ModelRunner.overlap_min_rows;
+#        off by default, never run on a GPU): its GPU test (graphs with the halves against a plain argmax
+#        loop), then the long fp8 rollout without and with it (>= 64 rows) on one engine. If it is faster,
+#        make it the default (and try other thresholds)
 # fixed  two levers on the decode step's fixed cost (issue 21: ~1.24-1.34 ms a step over the long rollout's
 #        8,191): the graphed fp8 decode step (bench/profile_decode.py, B x context in PDL_SHAPES) with
 #        inductor's programmatic dependent launch off and on (TORCHINDUCTOR_ENABLE_PDL: the compiled
-#        norm/RoPE/SiLU kernels may start while the kernel before them drains), a process each; bench/skinny_linear.py's split-K matmul (its
-#        GPU test first) against cuBLAS at the decode shapes on the time left
+#        norm/RoPE/SiLU kernels may start while the kernel before them drains), a process each;
+#        bench/skinny_linear.py's split-K matmul (its GPU test first) against cuBLAS at the decode shapes
+#        on the time left
 # call0  Qwen3-8B full-parameter with --optimizer-cpu-offload (issue 20: trains, step time), on an H200 only
 #        (on an H100 the plan refuses it: 75 GiB of 72 usable from the 4096/8192 probes, and its 1024-token
 #        probes ran out of memory, BENCHMARKS.md session 22), with the engine's weights released (the
@@ -74,6 +80,13 @@ split_long() {   # $1: seconds
     echo "== rollout time split: exit $?"; grep -E "s = fixed|\(steady|warm-up rollout|Error" "$OUT/rollout_time_split.log"
 }
 case ${1:-} in
+overlap)
+    timeout -k 10 90 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging tests/test_overlap.py \
+        >"$OUT/overlap_tests.log" 2>&1; echo "== overlap GPU test: exit $?"; tail -1 "$OUT/overlap_tests.log"
+    timeout -k 10 ${OVERLAP_S:-300} python3 bench/rollout_time_split.py --workload bench/long_workload.json \
+        --kv-dtype fp8_e4m3 --overlap-rows ${OVERLAP_ROWS:-0,64} --out "$OUT" >"$OUT/rollout_time_split.log" 2>&1
+    echo "== long rollout, whole vs halves: exit $?"
+    grep -E "s = fixed|\(steady|warm-up rollout|Error" "$OUT/rollout_time_split.log" ;;
 fixed)
     timeout -k 10 60 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging tests/test_skinny_linear.py \
         >"$OUT/skinny_tests.log" 2>&1; echo "== split-K GPU test: exit $?"; tail -1 "$OUT/skinny_tests.log"
@@ -170,5 +183,5 @@ call3)
         python3 -c "import json, sys; g = json.load(open(sys.argv[1]))['rollout_logprob_abs_diff']; \
 print('mean |trainer - engine| log-prob', round(sum(v for _, v in g) / max(1, len(g)), 5))" "$OUT/demo_${v}_evals.json"
     done ;;
-*) echo "usage: bash bench/pending_device.sh fixed|transposed|cascade|rows|levers|h100|call0|h200|either|call1|call2|call3"; exit 2 ;;
+*) echo "usage: bash bench/pending_device.sh overlap|fixed|transposed|cascade|rows|levers|h100|call0|h200|either|call1|call2|call3"; exit 2 ;;
 esac

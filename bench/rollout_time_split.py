@@ -17,7 +17,8 @@ attention at an implied 2.67 TB/s, R^2 0.97; the same rollout under the other sp
 42 s).
 
     python3 bench/rollout_time_split.py [--workload bench/long_workload.json] [--kv-dtype fp8_e4m3,bf16]
-        [--split-rule waves,programs] [--fp8-kernel padded,transposed,transposed-all] [--out DIR]
+        [--split-rule waves,programs] [--fp8-kernel padded,transposed,transposed-all] [--overlap-rows 0,64]
+        [--out DIR]
         -> rollout_time_split.json, rollout_time_split.png
 """
 from __future__ import annotations
@@ -152,24 +153,34 @@ def main() -> None:
     ap.add_argument("--fp8-kernel", default="transposed-all",
                     help="an fp8 cache's decode kernels to run, each on the same engine (kv_cache.FP8_KERNELS): "
                          "padded, transposed, transposed-all (the engine's); bf16 runs the padded one")
+    ap.add_argument("--overlap-rows", default="0",
+                    help="ModelRunner.overlap_min_rows values to run, each on the same engine (overlap.py; 0: off, "
+                         "the engine's default): windows with at least that many rows run as two halves on two "
+                         "streams")
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
+    try:
+        overlaps = [int(x) for x in a.overlap_rows.split(",")]
+    except ValueError:
+        ap.error(f"--overlap-rows: a comma-separated list of integers, got {a.overlap_rows!r}")
     if set(a.fp8_kernel.split(",")) - set(FP8_KERNELS):
         ap.error(f"--fp8-kernel: a comma-separated list of {', '.join(FP8_KERNELS)}, got {a.fp8_kernel!r}")
     w = load_workload(a.workload)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    samples_by_run, fits, report = {}, {}, {}     # keyed by run: '<kv dtype> <split rule>[ <fp8 kernel>]'
+    # keyed by run: '<kv dtype> <split rule>[ <fp8 kernel>][ halves>=<rows>]'
+    samples_by_run, fits, report = {}, {}, {}
     for kv in a.kv_dtype.split(","):
         b = Bench(w, kv_dtype=kv)
         g = torch.Generator().manual_seed(b.seed + 2)
         prompts = [torch.randint(0, b.args.vocab_size, (p,), generator=g).tolist() for p in w.prompt_lens]
         engine = make_engine(b, max(w.prompt_lens) + max(w.response_lens))
         kernels = a.fp8_kernel.split(",") if kv == "fp8_e4m3" else ["padded"]
-        for rule, kernel in ((r, k) for r in a.split_rule.split(",") for k in kernels):
-            name = f"{kv} {rule}" + ("" if kernel == "padded" else f" {kernel}")
+        for rule, kernel, overlap in ((r, k, o) for r in a.split_rule.split(",") for k in kernels for o in overlaps):
+            name = f"{kv} {rule}" + ("" if kernel == "padded" else f" {kernel}") + (f" halves>={overlap}" if overlap else "")
             engine.runner.split_rule = rule
             engine.runner.fp8_kernel = kernel          # in the graph key: each kernel's graphs
+            engine.runner.overlap_min_rows = overlap   # so is whether a window runs as halves
             # warm-up: the same rows at 1/16 of their lengths finish in the same order, so the batch passes
             # through the same buckets and captures most graphs the timed rollout replays (not those of
             # split counts only longer contexts pick: their windows are left out of the fit)

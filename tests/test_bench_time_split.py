@@ -72,13 +72,15 @@ def test_script_writes_the_split_and_its_plot(tmp_path):
     path.write_text(json.dumps(w))
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "rollout_time_split.py"), "--workload", str(path),
                           "--kv-dtype", "auto,fp8_e4m3", "--split-rule", "waves,programs", "--fp8-kernel",
-                          "padded,transposed", "--out", str(tmp_path / "out")], capture_output=True,
+                          "padded,transposed", "--overlap-rows", "0,3", "--out", str(tmp_path / "out")], capture_output=True,
                          text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=240)
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads((tmp_path / "out" / "rollout_time_split.json").read_text())
-    # the transposed kernel's runs for the fp8 cache only (on the CPU both run the reference attention)
-    assert set(report) == ({f"{kv} {rule}" for kv in ("auto", "fp8_e4m3") for rule in ("waves", "programs")}
-                           | {f"fp8_e4m3 {rule} transposed" for rule in ("waves", "programs")})
+    # the transposed kernel's runs for the fp8 cache only (on the CPU both run the reference attention);
+    # each run again with windows of >= 3 rows as two halves (overlap.py)
+    runs = ({f"{kv} {rule}" for kv in ("auto", "fp8_e4m3") for rule in ("waves", "programs")}
+            | {f"fp8_e4m3 {rule} transposed" for rule in ("waves", "programs")})
+    assert set(report) == runs | {f"{r} halves>=3" for r in runs}
     for kv, r in report.items():
         assert sum(s["num_steps"] for s in r["steps"]) == 59          # the longest row: 60 tokens, 1 from prefill
         assert r["split"]["seconds"] > 0 and "R^2" in run.stdout

@@ -147,7 +147,7 @@ def test_engine_greedy_equals_no_cache_loop_with_graphs():
             for i, (p, k) in enumerate(zip(prompts, news))]
     out = eng.generate(reqs)
     assert eng.runner.graphs, "decode ran without CUDA graphs"
-    # graph keys: (rows, truncate, cascade, splits, fuse_prologue, fp8_kernel)
+    # graph keys: (rows, truncate, cascade, splits, halves, fuse_prologue, fp8_kernel)
     assert any(key[2] for key in eng.runner.graphs), "no window ran cascade attention"
     assert eng.stats.num_grouped_rows > 0
     eng.release()

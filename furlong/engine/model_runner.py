@@ -36,11 +36,12 @@ import torch
 
 from furlong.engine.cache_memory import CacheMemory
 from furlong.engine.cascade import GroupPlan, cascade_members, no_groups, plan_groups
-from furlong.engine.decode_inputs import DecodeInputs, sampling_rows
+from furlong.engine.decode_inputs import DecodeInputs, StepInputs, sampling_rows
 from furlong.engine.forward import EngineForward
 from furlong.engine.host_copy import to_device
 from furlong.engine.kv_cache import DecodeContext, KVLayout, PagedKVCache, PrefillContext
 from furlong.engine.kv_fp8 import FP8, kv_storage_dtype
+from furlong.engine.overlap import run_halves
 from furlong.engine.plan import Plan, PrefillItem
 from furlong.engine.prefix_prefill import prefix_prefill_context
 from furlong.engine.sampling import SamplingRows, row_thresholds, sample_reference
@@ -72,7 +73,8 @@ class ModelRunner:
         self.use_cuda_graphs = use_cuda_graphs and self.on_gpu
         self.buckets = [b for b in BATCH_BUCKETS if b < max_num_seqs] + [max_num_seqs]
         self.cache: PagedKVCache | None = None
-        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}   # by (rows, truncate, cascade, splits, the two below)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}   # by (rows, truncate, cascade, splits, halves,
+        #                                                         fuse_prologue, fp8_kernel)
         self.cascade = cascade                # may be switched between decode windows (graphs exist for both)
         self.members = cascade_members(self.args.num_heads, self.args.num_kv_heads)   # rows per cascade group
         self.cascade_min_prefix = cascade_min_prefix   # shortest shared prompt worth a group (tokens)
@@ -83,6 +85,10 @@ class ModelRunner:
         # a layer (store_kernels.decode_prologue; off: for benches); fp8 attention's kernel (kv_cache.FP8_KERNELS)
         self.fuse_prologue = True
         self.fp8_kernel = "transposed-all"
+        # windows with at least this many running rows and no cascade group run each step as two halves
+        # on two streams (overlap.py; in the graph key); 0: never, the default until measured on a GPU
+        self.overlap_min_rows = 0
+        self.side_stream = torch.cuda.Stream(self.device) if self.on_gpu else None
         self.pool = None
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.on_gpu else 1
         self.cache_memory = CacheMemory(self.layout, self.device)   # the KV cache's bytes per session
@@ -233,30 +239,41 @@ class ModelRunner:
             return 1
         return program_splits(rows // self.members, self.args.num_kv_heads, self.num_sms, cap=self.members)
 
-    def _step(self, rows: int, truncate: bool, cascade: bool, splits: int) -> None:
-        """One decode step over the first `rows` buffer rows, state advanced in place (graph-safe)."""
-        x = self.inputs.step_inputs(rows)
-        page = x.block_tables.gather(1, (x.positions // self.page_size)[:, None]).squeeze(1).long()
-        ctx = DecodeContext(self.cache, page, x.positions % self.page_size, x.block_tables,
-                            (x.positions + 1).to(torch.int32), splits, self.on_gpu,
-                            x.groups if cascade else None, self.group_splits(rows), self.fp8_kernel)
+    def _hidden(self, x: StepInputs, lo: int, hi: int, cascade: bool, splits: int) -> torch.Tensor:
+        """Final-normed hidden states [hi - lo, H] of step rows [lo, hi)."""
+        ids, pos, tables = x.input_ids[lo:hi], x.positions[lo:hi], x.block_tables[lo:hi]
+        page = tables.gather(1, (pos // self.page_size)[:, None]).squeeze(1).long()
+        ctx = DecodeContext(self.cache, page, pos % self.page_size, tables, (pos + 1).to(torch.int32), splits,
+                            self.on_gpu, x.groups if cascade else None, self.group_splits(hi - lo), self.fp8_kernel)
         fused = ctx.attend_qkv if self.on_gpu and self.fuse_prologue else None
-        logits = self.forward.logits(self.forward.hidden(x.input_ids, x.positions, ctx.attend, fused))
+        return self.forward.hidden(ids, pos, ctx.attend, fused)
+
+    def _step(self, rows: int, truncate: bool, cascade: bool, splits: int, halves: bool = False) -> None:
+        """One decode step over the first `rows` buffer rows, state advanced in place (graph-safe);
+        `halves`: the rows' two halves each run their forward, the second on the side stream (overlap.py)."""
+        x = self.inputs.step_inputs(rows)
+        if halves:
+            h = rows // 2
+            hidden = run_halves(lambda: self._hidden(x, 0, h, False, splits),
+                                lambda: self._hidden(x, h, rows, False, splits), self.side_stream)
+        else:
+            hidden = self._hidden(x, 0, rows, cascade, splits)
+        logits = self.forward.logits(hidden)
         tok, lp = self.sample(logits, x.sampling(x.positions + 1), truncate)
         x.out_tokens.copy_(tok)
         x.out_log_probs.copy_(lp)
         x.input_ids.copy_(tok)
         x.positions.add_(1)
 
-    def _capture(self, key: tuple[int, bool, bool, int, bool, str]) -> None:
-        rows, truncate, cascade, splits = key[:4]
-        self.inputs.clear(rows)                # padded-row state: position 0, scratch page 0, no groups
-        self._step(rows, truncate, cascade, splits)    # warm-up: compiles the Triton kernels
+    def _capture(self, key: tuple[int, bool, bool, int, bool, bool, str]) -> None:
+        step = key[:5]                         # rows, truncate, cascade, splits, halves
+        self.inputs.clear(step[0])             # padded-row state: position 0, scratch page 0, no groups
+        self._step(*step)                      # warm-up: compiles the Triton kernels
         torch.cuda.synchronize(self.device)
-        self.inputs.clear(rows)
+        self.inputs.clear(step[0])
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self._step(rows, truncate, cascade, splits)
+            self._step(*step)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[key] = graph
@@ -282,7 +299,8 @@ class ModelRunner:
         cascade = bool(groups.groups)
         # the longest context the window reaches (the rows grow by one token a step)
         splits = self.num_splits(num, rows, max(s.num_tokens for s in seqs) + window, cascade)
-        graph_key = (rows, truncate, cascade, splits, self.fuse_prologue, self.fp8_kernel)
+        halves = not cascade and rows >= 2 and 0 < self.overlap_min_rows <= num
+        graph_key = (rows, truncate, cascade, splits, halves, self.fuse_prologue, self.fp8_kernel)
         if self.use_cuda_graphs and graph_key not in self.graphs:
             self._capture(graph_key)     # overwrote the buffers: clear() restages them all
         self.inputs.stage(seqs, rows, key, groups, self.args.vocab_size)
@@ -293,7 +311,7 @@ class ModelRunner:
             if self.use_cuda_graphs:
                 self.graphs[graph_key].replay()
             else:
-                self._step(rows, truncate, cascade, splits)
+                self._step(rows, truncate, cascade, splits, halves)
             toks[i].copy_(x.out_tokens)
             lps[i].copy_(x.out_log_probs)
         return toks, lps, sum(1 for p in groups.prefix_lens if p > 0)

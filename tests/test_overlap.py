@@ -1,0 +1,89 @@
+"""Decode steps as two halves (overlap.py, ModelRunner.overlap_min_rows) on CPU: the halves run one after
+the other here, so this checks what the GPU's two streams compute: each half's rows attend to their
+own KV, at their own positions, and the joined hidden states sample what the whole batch does."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from furlong.engine import Engine, EngineConfig, Request, SamplingParams
+from furlong.engine.overlap import run_halves
+from furlong.models.hf_io import load_pretrained
+from tiny_checkpoints import write_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), family="qwen3", vocab_size=128, hidden=64,
+                                 layers=2, heads=4, kv_heads=2, seed=0)
+    return load_pretrained(path, dtype=torch.float32, device="cpu"), AutoTokenizer.from_pretrained(path)
+
+
+def run(ckpt, overlap_min_rows: int, cascade_min_prefix: int, n: int):
+    """(completions, [(lo, hi, cascade)] of every decode forward) of one engine run: 5 prompts, n samples each."""
+    model, tok = ckpt
+    eng = Engine(model, tok, [], EngineConfig(page_size=8, decode_window=4, max_num_seqs=8, cpu_kv_tokens=2048,
+                                             max_model_len=128, cascade_min_prefix=cascade_min_prefix))
+    eng.runner.overlap_min_rows = overlap_min_rows
+    calls, hidden = [], eng.runner._hidden
+
+    def spy(x, lo, hi, cascade, splits):
+        calls.append((lo, hi, cascade))
+        return hidden(x, lo, hi, cascade, splits)
+    eng.runner._hidden = spy
+    texts = ("Hi", "What is 2 + 3?", "abc", "A longer prompt, several words.", "xyz" * 5)
+    prompts = [tok(t)["input_ids"] for t in texts]
+    params = [SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=k, ignore_eos=True) for k in (5, 17, 11, 23, 9)]
+    out = eng.generate([Request(i, p, q, n=n, seed=i) for i, (p, q) in enumerate(zip(prompts, params))])
+    return out, calls
+
+
+def test_halves_sample_what_the_whole_batch_does(ckpt):
+    whole, calls = run(ckpt, 0, 1000, n=1)
+    assert calls and all(lo == 0 for lo, _, _ in calls)
+    halves, calls = run(ckpt, 3, 1000, n=1)
+    # 5 running rows (halves of two and three), 4, 3 (one and two), then too few to split
+    assert {(0, 2), (2, 5), (2, 4), (0, 1), (1, 3)} <= {(lo, hi) for lo, hi, _ in calls}
+    assert {hi for lo, hi, _ in calls if lo == 0} >= {2, 1}       # 2 and 1 running rows: whole
+    for a, b in zip(whole, halves):
+        for ca, cb in zip(a, b):
+            assert ca.token_ids == cb.token_ids
+            torch.testing.assert_close(torch.tensor(cb.log_probs), torch.tensor(ca.log_probs), atol=1e-5, rtol=0)
+
+
+def test_windows_with_cascade_groups_never_split(ckpt):
+    _, calls = run(ckpt, 2, 1, n=2)        # every prompt shared by 2 samples: grouped windows
+    assert any(cascade for _, _, cascade in calls)
+    assert all(lo == 0 for lo, _, _ in calls)
+
+
+def test_run_halves_without_a_side_stream_joins_in_order():
+    out = run_halves(lambda: torch.tensor([[1.0], [2.0]]), lambda: torch.tensor([[3.0]]), None)
+    assert out.tolist() == [[1.0], [2.0], [3.0]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.inference_mode()
+def test_halves_on_two_streams_in_cuda_graphs_decode_greedy_as_a_plain_loop():
+    """The GPU path: each half's forward on its own stream inside the captured graphs (fp32, greedy),
+    against a plain no-cache argmax loop, as test_engine_gpu's graph test does for the whole batch."""
+    from test_engine_gpu import NullTok, small_model
+    model = small_model(torch.float32)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in (5, 70, 33, 128, 1, 64, 90)]
+    news = [40, 9, 70, 3, 66, 17, 129]
+    eng = Engine(model, NullTok(), [], EngineConfig(max_model_len=400, max_num_seqs=8, decode_window=8,
+                                                    cascade_min_prefix=10_000))
+    eng.runner.overlap_min_rows = 2
+    reqs = [Request(i, p, SamplingParams(temperature=0, max_new_tokens=k, ignore_eos=True))
+            for i, (p, k) in enumerate(zip(prompts, news))]
+    out = eng.generate(reqs)
+    assert any(key[4] for key in eng.runner.graphs), "no window ran as two halves"
+    eng.release()
+    for r, comps in zip(reqs, out):
+        ids = list(r.prompt_ids)
+        for _ in range(r.params.max_new_tokens):
+            ids.append(int(model(torch.tensor([ids], device="cuda"))[0, -1].argmax()))
+        assert comps[0].token_ids == ids[len(r.prompt_ids):], f"request {r.request_id}"
