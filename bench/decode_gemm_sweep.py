@@ -120,7 +120,8 @@ def main() -> None:
     for name, (k, n) in wanted.items():
         copies = 2 if name == "lm_head" else COPIES    # the head is one weight (311 MB at 0.6B: past L2 anyway)
         weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-        per_shape = {i: linear_impl(i) for i in impls if i not in ("autotune", "splitk")}     # "autotune" compiles per batch
+        # "autotune" compiles per batch; "splitk" picks its config per batch (best_splitk)
+        per_shape = {i: linear_impl(i) for i in impls if i not in ("autotune", "splitk")}
         for b in (int(x) for x in a.batch.split(",")):
             fns = {**per_shape, **({"autotune": linear_impl("autotune")} if "autotune" in impls else {})}
             x = torch.randn(b, k, device=dev, dtype=torch.bfloat16)

@@ -161,8 +161,10 @@ def main() -> None:
     a = ap.parse_args()
     try:
         overlaps = [int(x) for x in a.overlap_rows.split(",")]
+        if min(overlaps) < 0:
+            raise ValueError
     except ValueError:
-        ap.error(f"--overlap-rows: a comma-separated list of integers, got {a.overlap_rows!r}")
+        ap.error(f"--overlap-rows: a comma-separated list of integers >= 0, got {a.overlap_rows!r}")
     if set(a.fp8_kernel.split(",")) - set(FP8_KERNELS):
         ap.error(f"--fp8-kernel: a comma-separated list of {', '.join(FP8_KERNELS)}, got {a.fp8_kernel!r}")
     w = load_workload(a.workload)
@@ -177,7 +179,8 @@ def main() -> None:
         engine = make_engine(b, max(w.prompt_lens) + max(w.response_lens))
         kernels = a.fp8_kernel.split(",") if kv == "fp8_e4m3" else ["padded"]
         for rule, kernel, overlap in ((r, k, o) for r in a.split_rule.split(",") for k in kernels for o in overlaps):
-            name = f"{kv} {rule}" + ("" if kernel == "padded" else f" {kernel}") + (f" halves>={overlap}" if overlap else "")
+            name = (f"{kv} {rule}" + ("" if kernel == "padded" else f" {kernel}")
+                    + (f" halves>={overlap}" if overlap else ""))
             engine.runner.split_rule = rule
             engine.runner.fp8_kernel = kernel          # in the graph key: each kernel's graphs
             engine.runner.overlap_min_rows = overlap   # so is whether a window runs as halves
