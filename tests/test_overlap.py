@@ -21,22 +21,27 @@ def ckpt(tmp_path_factory):
 
 
 def run(ckpt, overlap_min_rows: int, cascade_min_prefix: int, n: int):
-    """(completions, [(lo, hi, cascade)] of every decode forward, [(cascade, halves)] of every decode step)
-    of one engine run: 5 prompts, n samples each."""
+    """(completions, [(lo, hi, cascade)] of every decode forward, [(cascade, halves, rows, the rows its
+    split count was chosen for)] of every decode step) of one engine run: 5 prompts, n samples each."""
     model, tok = ckpt
     eng = Engine(model, tok, [], EngineConfig(page_size=8, decode_window=4, max_num_seqs=8, cpu_kv_tokens=2048,
                                              max_model_len=128, cascade_min_prefix=cascade_min_prefix))
     eng.runner.overlap_min_rows = overlap_min_rows
-    calls, steps, hidden, step = [], [], eng.runner._hidden, eng.runner._step
+    calls, steps, hidden, step, num_splits = [], [], eng.runner._hidden, eng.runner._step, eng.runner.num_splits
 
     def spy(x, lo, hi, cascade, splits):
         calls.append((lo, hi, cascade))
         return hidden(x, lo, hi, cascade, splits)
 
     def step_spy(rows, truncate, cascade, splits, halves=False):
-        steps.append((cascade, halves))
+        steps.append((cascade, halves, rows, eng.runner.split_args[-1][1]))
         return step(rows, truncate, cascade, splits, halves)
-    eng.runner._hidden, eng.runner._step = spy, step_spy
+
+    def splits_spy(num_rows, padded_rows, longest, cascade):
+        eng.runner.split_args.append((num_rows, padded_rows))
+        return num_splits(num_rows, padded_rows, longest, cascade)
+    eng.runner.split_args = []
+    eng.runner._hidden, eng.runner._step, eng.runner.num_splits = spy, step_spy, splits_spy
     texts = ("Hi", "What is 2 + 3?", "abc", "A longer prompt, several words.", "xyz" * 5)
     prompts = [tok(t)["input_ids"] for t in texts]
     params = [SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=k, ignore_eos=True) for k in (5, 17, 11, 23, 9)]
@@ -47,7 +52,9 @@ def run(ckpt, overlap_min_rows: int, cascade_min_prefix: int, n: int):
 def test_halves_sample_what_the_whole_batch_does(ckpt):
     whole, calls, _ = run(ckpt, 0, 1000, n=1)
     assert calls and all(lo == 0 for lo, _, _ in calls)
-    halves, calls, _ = run(ckpt, 3, 1000, n=1)
+    halves, calls, steps = run(ckpt, 3, 1000, n=1)
+    # a half's split count is a batch its size's (so either launch alone fills a GPU)
+    assert all(split_rows == (rows // 2 if halves else rows) for _, halves, rows, split_rows in steps)
     # 5 running rows (halves of two and three), 4, 3 (one and two), then too few to split
     assert {(0, 2), (2, 5), (2, 4), (0, 1), (1, 3)} <= {(lo, hi) for lo, hi, _ in calls}
     assert {hi for lo, hi, _ in calls if lo == 0} >= {2, 1}       # 2 and 1 running rows: whole
@@ -59,8 +66,8 @@ def test_halves_sample_what_the_whole_batch_does(ckpt):
 
 def test_windows_with_cascade_groups_never_split(ckpt):
     _, _, steps = run(ckpt, 2, 1, n=2)        # every prompt shared by 2 samples: grouped windows
-    assert any(cascade for cascade, _ in steps)
-    assert not any(cascade and halves for cascade, halves in steps)
+    assert any(cascade for cascade, *_ in steps)
+    assert not any(cascade and halves for cascade, halves, *_ in steps)
 
 
 def test_run_halves_without_a_side_stream_joins_in_order():

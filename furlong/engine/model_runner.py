@@ -297,9 +297,12 @@ class ModelRunner:
         key = (rows, tuple(s.serial for s in seqs), self.cascade)
         groups = self._groups(seqs, rows, key)
         cascade = bool(groups.groups)
-        # the longest context the window reaches (the rows grow by one token a step)
-        splits = self.num_splits(num, rows, max(s.num_tokens for s in seqs) + window, cascade)
         halves = not cascade and rows >= 2 and 0 < self.overlap_min_rows <= num
+        # the longest context the window reaches (the rows grow by one token a step); with halves, each
+        # half's attention gets the split count of a batch its size, so that alone it fills the GPU
+        longest = max(s.num_tokens for s in seqs) + window
+        splits = (self.num_splits(num // 2, rows // 2, longest, False) if halves
+                  else self.num_splits(num, rows, longest, cascade))
         graph_key = (rows, truncate, cascade, splits, halves, self.fuse_prologue, self.fp8_kernel)
         if self.use_cuda_graphs and graph_key not in self.graphs:
             self._capture(graph_key)     # overwrote the buffers: clear() restages them all

@@ -8,10 +8,10 @@ does better (session 26). The rows of a decode step are independent, so splittin
 halves, each a whole forward on its own stream, gives the GPU two chains of kernels to run side by
 side: two latency-bound matmuls take about as long as one, and a half's attention (bandwidth-bound)
 streams while the other half's small kernels run. The price: each half reads every layer weight
-(1.2 GB at Qwen3-0.6B; the halves run close together, so much of the second read may hit L2), twice
-the launches, and each half's attention has half the programs (the split count is the whole batch's,
-so the two launches together fill the GPU as one did). The LM head and the sampler run once, on the
-joined hidden states.
+(1.2 GB at Qwen3-0.6B; the halves run close together, so much of the second read may hit L2) and
+twice the launches. Each half's attention gets the split count of a batch its size (ModelRunner), so
+either launch alone fills the GPU; when both run at once their programs queue. The LM head and the
+sampler run once, on the joined hidden states.
 
 Not measured on a GPU yet: `bench/rollout_time_split.py --overlap-rows 0,64` runs the long rollout both
 ways on one engine (bench/pending_device.sh overlap). Cascade windows never split (a group's rows
