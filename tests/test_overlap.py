@@ -27,20 +27,20 @@ def run(ckpt, overlap_min_rows: int, cascade_min_prefix: int, n: int):
     eng = Engine(model, tok, [], EngineConfig(page_size=8, decode_window=4, max_num_seqs=8, cpu_kv_tokens=2048,
                                              max_model_len=128, cascade_min_prefix=cascade_min_prefix))
     eng.runner.overlap_min_rows = overlap_min_rows
-    calls, steps, hidden, step, num_splits = [], [], eng.runner._hidden, eng.runner._step, eng.runner.num_splits
+    calls, steps, split_rows = [], [], []
+    hidden, step, num_splits = eng.runner._hidden, eng.runner._step, eng.runner.num_splits
 
     def spy(x, lo, hi, cascade, splits):
         calls.append((lo, hi, cascade))
         return hidden(x, lo, hi, cascade, splits)
 
     def step_spy(rows, truncate, cascade, splits, halves=False):
-        steps.append((cascade, halves, rows, eng.runner.split_args[-1][1]))
+        steps.append((cascade, halves, rows, split_rows[-1]))
         return step(rows, truncate, cascade, splits, halves)
 
     def splits_spy(num_rows, padded_rows, longest, cascade):
-        eng.runner.split_args.append((num_rows, padded_rows))
+        split_rows.append(padded_rows)
         return num_splits(num_rows, padded_rows, longest, cascade)
-    eng.runner.split_args = []
     eng.runner._hidden, eng.runner._step, eng.runner.num_splits = spy, step_spy, splits_spy
     texts = ("Hi", "What is 2 + 3?", "abc", "A longer prompt, several words.", "xyz" * 5)
     prompts = [tok(t)["input_ids"] for t in texts]
@@ -57,7 +57,8 @@ def test_halves_sample_what_the_whole_batch_does(ckpt):
     assert all(split_rows == (rows // 2 if halves else rows) for _, halves, rows, split_rows in steps)
     # 5 running rows (halves of two and three), 4, 3 (one and two), then too few to split
     assert {(0, 2), (2, 5), (2, 4), (0, 1), (1, 3)} <= {(lo, hi) for lo, hi, _ in calls}
-    assert {hi for lo, hi, _ in calls if lo == 0} >= {2, 1}       # 2 and 1 running rows: whole
+    assert {rows for *_, rows, _ in steps} == {5, 4, 3, 2, 1}
+    assert all(halves == (rows >= 3) for _, halves, rows, _ in steps)
     for a, b in zip(whole, halves):
         for ca, cb in zip(a, b):
             assert ca.token_ids == cb.token_ids
