@@ -14,8 +14,10 @@
 #   bash bench/pending_device.sh overlap|fixed|transposed|cascade|rows|levers|h100|call0|h200|either|call1|call2|call3
 # overlap decode steps as two halves of the rows on two streams (engine/overlap.py, ModelRunner.overlap_min_rows;
 #        off by default, never run on a GPU): its GPU test (graphs with the halves against a plain argmax
-#        loop), then the long fp8 rollout without and with it (>= 64 rows) on one engine. If it is faster,
-#        make it the default (and try other thresholds)
+#        loop), the graphed fp8 decode step whole and as halves at the long rollout's bulk, middle and tail
+#        shapes (bench/profile_decode.py --overlap-rows, alternating on the same rows), then the long fp8
+#        rollout without and with it (>= 16 rows) on one engine. If it is faster, make it the default
+#        (the threshold where the step shapes show it paying)
 # fixed  two levers on the decode step's fixed cost (issue 21: ~1.24-1.34 ms a step over the long rollout's
 #        8,191): the graphed fp8 decode step (bench/profile_decode.py, B x context in PDL_SHAPES) with
 #        inductor's programmatic dependent launch off and on (TORCHINDUCTOR_ENABLE_PDL: the compiled
@@ -83,8 +85,15 @@ case ${1:-} in
 overlap)
     timeout -k 10 90 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging tests/test_overlap.py \
         >"$OUT/overlap_tests.log" 2>&1; echo "== overlap GPU test: exit $?"; tail -1 "$OUT/overlap_tests.log"
-    timeout -k 10 ${OVERLAP_S:-300} python3 bench/rollout_time_split.py --workload bench/long_workload.json \
-        --kv-dtype fp8_e4m3 --overlap-rows ${OVERLAP_ROWS:-0,64} --out "$OUT" >"$OUT/rollout_time_split.log" 2>&1
+    for shape in ${OVERLAP_SHAPES:-256x4096 64x6144 16x8192}; do      # the long rollout's bulk, middle, tail
+        timeout -k 10 ${OVERLAP_SHAPE_S:-75} python3 bench/profile_decode.py --batch ${shape%x*} --context ${shape#*x} \
+            --kv-dtype fp8_e4m3 --fuse-prologue on --overlap-rows 2 --out "$OUT/halves_$shape" \
+            >"$OUT/halves_$shape.log" 2>&1
+        echo "== graphed decode step B x context $shape, whole vs halves: exit $?"
+        grep -E '"graphed_step_ms(_halves)?"|Error' "$OUT/halves_$shape.log"
+    done
+    timeout -k 10 ${OVERLAP_S:-260} python3 bench/rollout_time_split.py --workload bench/long_workload.json \
+        --kv-dtype fp8_e4m3 --overlap-rows ${OVERLAP_ROWS:-0,16} --out "$OUT" >"$OUT/rollout_time_split.log" 2>&1
     echo "== long rollout, whole vs halves: exit $?"
     grep -E "s = fixed|\(steady|warm-up rollout|Error" "$OUT/rollout_time_split.log" ;;
 fixed)

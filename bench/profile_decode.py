@@ -5,7 +5,8 @@ B rows at one context on random Qwen3-0.6B weights, profiled with torch.profiler
 with cascade attention on and off (alternating, 3 each, same rows).
 
     python3 bench/profile_decode.py [--batch 256] [--context 384] [--prompt P] [--group N] [--no-cascade]
-        [--kv-dtype bf16,fp8_e4m3] [--fuse-prologue off|on|both] [--residual-add pointwise|addmm|both] [--out DIR]
+        [--kv-dtype bf16,fp8_e4m3] [--fuse-prologue off|on|both] [--residual-add pointwise|addmm|both]
+        [--overlap-rows N] [--out DIR]
 --group N: the B rows are B/N requests of N samples each (one shared prompt per request: cascade
 attention reads it once per group unless --no-cascade); default 1, every row its own prompt.
 --kv-dtype: the KV cache's dtype (EngineConfig.kv_dtype); a comma list profiles each in turn, same
@@ -14,6 +15,9 @@ under "runs" (a single dtype: that result alone, as before).
 --residual-add addmm: the engine's residual adds written as a plain `x + y`, which the compiler folds into
 the projections' matmuls (cuBLAS addmm, each with a copy of x): the layout before forward.add_residual,
 for a side-by-side figure (the compiled code is reset between the two).
+--overlap-rows N: the graphed step is also timed with windows of >= N rows as two halves on two streams
+(engine/overlap.py), alternating with the whole batch on the same rows ("graphed_step_ms_halves"; a
+window with cascade groups never splits, so use it with --group 1 or --no-cascade).
 """
 from __future__ import annotations
 
@@ -64,8 +68,12 @@ def main() -> None:
                          "each dtype with it off, then on")
     ap.add_argument("--residual-add", choices=("pointwise", "addmm", "both"), default="pointwise",
                     help="pointwise: the engine's forward.add_residual; addmm: a plain x + y (see above); both")
+    ap.add_argument("--overlap-rows", type=int, default=0,
+                    help="also time the graphed step as two halves (ModelRunner.overlap_min_rows; 0: not)")
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
+    if a.overlap_rows < 0:
+        ap.error(f"--overlap-rows: a row count >= 0, got {a.overlap_rows}")
     prompt_len = a.context if a.prompt is None else a.prompt
     if a.batch % a.group or not 0 < prompt_len <= a.context:
         ap.error(f"--group {a.group} must divide --batch {a.batch}; --prompt must be in [1, --context]")
@@ -118,16 +126,17 @@ def profile(model: Transformer, cfg: EngineConfig, prompts: list[list[int]], a: 
     for s in seqs:                                  # pages for the windows run below, outside the scheduler
         eng.scheduler.blocks.grow(s.block_table, s.num_tokens + 32)
     runner = eng.runner
-    graphed: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(3):                              # cascade on and off, alternating, same rows
-        for cascade in (True, False):
-            runner.cascade = cascade
+    variants = [(c, o) for c in (True, False) for o in sorted({0, a.overlap_rows})]
+    graphed: dict[tuple[bool, int], list[float]] = {v: [] for v in variants}
+    for _ in range(3):                              # cascade on and off (and halves), alternating, same rows
+        for cascade, overlap in variants:
+            runner.cascade, runner.overlap_min_rows = cascade, overlap
             runner.decode(seqs, 1)                  # captures this variant's graph on first use
             torch.cuda.synchronize()
             t = time.perf_counter()
             runner.decode(seqs, 8)                  # graphed: 8 replays, one sync
-            graphed[cascade].append((time.perf_counter() - t) * 1000 / 8)
-    runner.cascade = not a.no_cascade
+            graphed[cascade, overlap].append((time.perf_counter() - t) * 1000 / 8)
+    runner.cascade, runner.overlap_min_rows = not a.no_cascade, 0
     runner.use_cuda_graphs = False
     runner.decode(seqs, 2)                          # eager warm-up at this batch
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -148,8 +157,10 @@ def profile(model: Transformer, cfg: EngineConfig, prompts: list[list[int]], a: 
            "kv_bytes_per_token": eng.runner.page_bytes() / cfg.page_size,
            "batch": a.batch, "context": a.context, "prompt": prompt_len, "group": a.group,
            "grouped_rows": sum(1 for p in plan_groups(seqs, runner.members).prefix_lens if p > 0),
-           "graphed_step_ms": sorted(graphed[runner.cascade])[1], "graphed_step_ms_cascade": graphed[True],
-           "graphed_step_ms_no_cascade": graphed[False], "profiled_cascade": runner.cascade,
+           "graphed_step_ms": sorted(graphed[runner.cascade, 0])[1], "graphed_step_ms_cascade": graphed[True, 0],
+           "graphed_step_ms_no_cascade": graphed[False, 0], "profiled_cascade": runner.cascade,
+           **({"graphed_step_ms_halves": sorted(graphed[runner.cascade, a.overlap_rows])[1],
+               "graphed_step_ms_halves_all": graphed[runner.cascade, a.overlap_rows]} if a.overlap_rows else {}),
            "kernel_ms_per_step": total,
            "by_kind_ms": dict(sorted(per_kind.items(), key=lambda kv: -kv[1])),
            "top_kernels_ms": dict(top),
