@@ -86,13 +86,13 @@ overlap)
     timeout -k 10 90 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging tests/test_overlap.py \
         >"$OUT/overlap_tests.log" 2>&1; echo "== overlap GPU test: exit $?"; tail -1 "$OUT/overlap_tests.log"
     for shape in ${OVERLAP_SHAPES:-256x2048 64x6144 16x8192}; do      # the long rollout's bulk, middle, tail
-        timeout -k 10 ${OVERLAP_SHAPE_S:-75} python3 bench/profile_decode.py --batch ${shape%x*} --context ${shape#*x} \
+        timeout -k 10 ${OVERLAP_SHAPE_S:-70} python3 bench/profile_decode.py --batch ${shape%x*} --context ${shape#*x} \
             --kv-dtype fp8_e4m3 --fuse-prologue on --overlap-rows 2 --out "$OUT/halves_$shape" \
             >"$OUT/halves_$shape.log" 2>&1
         echo "== graphed decode step B x context $shape, whole vs halves: exit $?"
         grep -E '"graphed_step_ms(_halves)?"|Error' "$OUT/halves_$shape.log"
     done
-    timeout -k 10 ${OVERLAP_S:-260} python3 bench/rollout_time_split.py --workload bench/long_workload.json \
+    timeout -k 10 ${OVERLAP_S:-240} python3 bench/rollout_time_split.py --workload bench/long_workload.json \
         --kv-dtype fp8_e4m3 --overlap-rows ${OVERLAP_ROWS:-0,16} --out "$OUT" >"$OUT/rollout_time_split.log" 2>&1
     echo "== long rollout, whole vs halves: exit $?"
     grep -E "s = fixed|\(steady|warm-up rollout|Error" "$OUT/rollout_time_split.log" ;;
