@@ -16,8 +16,8 @@ under "runs" (a single dtype: that result alone, as before).
 the projections' matmuls (cuBLAS addmm, each with a copy of x): the layout before forward.add_residual,
 for a side-by-side figure (the compiled code is reset between the two).
 --overlap-rows N: the graphed step is also timed with windows of >= N rows as two halves on two streams
-(engine/overlap.py), alternating with the whole batch on the same rows ("graphed_step_ms_halves"; a
-window with cascade groups never splits, so use it with --group 1 or --no-cascade).
+(engine/overlap.py), alternating with the whole batch on the same rows ("graphed_step_ms_halves"; with
+--group, cascade groups are planned within each half).
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Decode steps as two halves (overlap.py, ModelRunner.overlap_min_rows) on CPU: the halves run one after
 the other here, so this checks what the GPU's two streams compute: each half's rows attend to their
-own KV, at their own positions, and the joined hidden states sample what the whole batch does."""
+own KV, at their own positions, through cascade groups planned within the half, and the joined hidden
+states sample what the whole batch does."""
 from __future__ import annotations
 
 import pytest
@@ -65,10 +66,38 @@ def test_halves_sample_what_the_whole_batch_does(ckpt):
             torch.testing.assert_close(torch.tensor(cb.log_probs), torch.tensor(ca.log_probs), atol=1e-5, rtol=0)
 
 
-def test_windows_with_cascade_groups_never_split(ckpt):
-    _, _, steps = run(ckpt, 2, 1, n=2)        # every prompt shared by 2 samples: grouped windows
+def test_halves_with_cascade_groups_sample_what_the_whole_batch_does(ckpt):
+    """Every prompt shared by 2 samples (8 rows of 5 x 2 at first): grouped windows, each half planning
+    its own groups, rows and group slots indexed within it."""
+    whole, _, steps = run(ckpt, 0, 1, n=2)
     assert any(cascade for cascade, *_ in steps)
-    assert not any(cascade and halves for cascade, halves, *_ in steps)
+    halves, calls, steps = run(ckpt, 2, 1, n=2)
+    assert any(cascade and halves for cascade, halves, *_ in steps)
+    assert any(lo > 0 and cascade for lo, _, cascade in calls)              # the second half read through groups
+    for a, b in zip(whole, halves):
+        for ca, cb in zip(a, b):
+            assert ca.token_ids == cb.token_ids
+            torch.testing.assert_close(torch.tensor(cb.log_probs), torch.tensor(ca.log_probs), atol=1e-5, rtol=0)
+
+
+def test_a_fork_group_across_the_split_makes_a_group_on_each_side(ckpt):
+    from furlong.engine.cascade import GroupPlan
+    from furlong.engine.sequence import new_sequences
+    model, tok = ckpt
+    runner = Engine(model, tok, [], EngineConfig(page_size=8, decode_window=4, max_num_seqs=8, cpu_kv_tokens=512,
+                                                max_model_len=64, cascade_min_prefix=1)).runner
+    params = SamplingParams(temperature=0, max_new_tokens=4)
+    seqs = []
+    for group, n in enumerate((3, 2, 3)):
+        forks = new_sequences(Request(group, list(range(1, 10)), params, n=n))
+        for s in forks:
+            s.fork_group = group
+        seqs += forks
+    whole = runner._groups(seqs, 8, ("whole",), 0)
+    assert [lo for lo, _ in whole] == [0] and whole[0][1].groups == [[0, 1, 2], [3, 4], [5, 6, 7]]
+    parts = runner._groups(seqs, 8, ("halves",), 4)
+    assert parts == [(0, GroupPlan([9, 9, 9, 0], [[0, 1, 2]], [9])),      # row 3 alone on its side
+                     (4, GroupPlan([0, 9, 9, 9], [[1, 2, 3]], [9]))]      # rows 4 (alone), 5-7
 
 
 def test_run_halves_without_a_side_stream_joins_in_order():
@@ -80,23 +109,27 @@ def test_run_halves_without_a_side_stream_joins_in_order():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @torch.inference_mode()
 def test_halves_on_two_streams_in_cuda_graphs_decode_greedy_as_a_plain_loop():
-    """The GPU path: each half's forward on its own stream inside the captured graphs (fp32, greedy),
-    against a plain no-cache argmax loop, as test_engine_gpu's graph test does for the whole batch."""
+    """The GPU path: each half's forward on its own stream inside the captured graphs (fp32, greedy; 1-3
+    samples a request, so some windows read through cascade groups planned per half), against a plain
+    no-cache argmax loop, as test_engine_gpu's graph test does for the whole batch."""
     from test_engine_gpu import NullTok, small_model
     model = small_model(torch.float32)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in (5, 70, 33, 128, 1, 64, 90)]
     news = [40, 9, 70, 3, 66, 17, 129]
     eng = Engine(model, NullTok(), [], EngineConfig(max_model_len=400, max_num_seqs=8, decode_window=8,
-                                                    cascade_min_prefix=10_000))
+                                                    cascade_min_prefix=1))
     eng.runner.overlap_min_rows = 2
-    reqs = [Request(i, p, SamplingParams(temperature=0, max_new_tokens=k, ignore_eos=True))
+    reqs = [Request(i, p, SamplingParams(temperature=0, max_new_tokens=k, ignore_eos=True), n=1 + i % 3)
             for i, (p, k) in enumerate(zip(prompts, news))]
     out = eng.generate(reqs)
+    # graph keys: (rows, truncate, cascade, splits, halves, fuse_prologue, fp8_kernel)
     assert any(key[4] for key in eng.runner.graphs), "no window ran as two halves"
+    assert any(key[2] and key[4] for key in eng.runner.graphs), "no window ran as halves with cascade groups"
     eng.release()
     for r, comps in zip(reqs, out):
         ids = list(r.prompt_ids)
         for _ in range(r.params.max_new_tokens):
             ids.append(int(model(torch.tensor([ids], device="cuda"))[0, -1].argmax()))
-        assert comps[0].token_ids == ids[len(r.prompt_ids):], f"request {r.request_id}"
+        for c in comps:
+            assert c.token_ids == ids[len(r.prompt_ids):], f"request {r.request_id} sample {c.index}"

@@ -48,6 +48,11 @@ class PrefixGroups:
     group_rows: torch.Tensor     # [G, M] int32, each group's member rows, -1 padded (all -1: unused slot)
     group_prefix: torch.Tensor   # [G] int32, each group's shared prompt tokens (0: unused slot)
 
+    def rows(self, lo: int, hi: int) -> PrefixGroups:
+        """The tables of rows [lo, hi) as staged for them alone (G = B slots: a part staged with its own
+        row indices, DecodeInputs.stage)."""
+        return PrefixGroups(self.prefix_lens[lo:hi], self.group_rows[lo:hi], self.group_prefix[lo:hi])
+
 
 class GroupPlan(NamedTuple):
     """Who reads whose prompt in one running set, as host lists (PrefixGroups is its device form)."""

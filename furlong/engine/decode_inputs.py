@@ -118,9 +118,12 @@ class DecodeInputs:
         """Stage everything anew at the next window (a new session, or the buffers were overwritten)."""
         self._key = None
 
-    def stage(self, seqs: list[Sequence], rows: int, key: tuple, groups: GroupPlan, vocab_size: int) -> None:
+    def stage(self, seqs: list[Sequence], rows: int, key: tuple, groups: list[tuple[int, GroupPlan]],
+              vocab_size: int) -> None:
         """Write the window's inputs for `seqs` into the first `rows` buffer rows; `key` names the
-        running set (it changes when any row's sequence does), `groups` is its cascade plan."""
+        running set (it changes when any row's sequence does), `groups` is its cascade plan as (first
+        row, plan) parts, each plan's rows and group slots within its part (the next part's first row,
+        or `rows`, ends it)."""
         num = len(seqs)
         if key != self._key:
             self._key = key
@@ -134,9 +137,11 @@ class DecodeInputs:
             for name in FLOAT_ROWS:
                 self._host_floats[FLOAT_ROW[name], :num] = getattr(h, name)
             self.floats[:, :rows].copy_(torch.from_numpy(self._host_floats))
-            for buf, host in zip((self.prefix_lens, self.group_rows, self.group_prefix),
-                                 group_arrays(groups, rows, self.members)):
-                buf[:rows].copy_(torch.from_numpy(host))
+            ends = [lo for lo, _ in groups[1:]] + [rows]
+            for (lo, plan), hi in zip(groups, ends):
+                for buf, host in zip((self.prefix_lens, self.group_rows, self.group_prefix),
+                                     group_arrays(plan, hi - lo, self.members)):
+                    buf[lo:hi].copy_(torch.from_numpy(host))
         for i, s in enumerate(seqs):
             n = len(s.block_table)
             if n != self._table_lens[i]:

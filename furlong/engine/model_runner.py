@@ -85,8 +85,8 @@ class ModelRunner:
         # a layer (store_kernels.decode_prologue; off: for benches); fp8 attention's kernel (kv_cache.FP8_KERNELS)
         self.fuse_prologue = True
         self.fp8_kernel = "transposed-all"
-        # windows with at least this many running rows and no cascade group run each step as two halves
-        # on two streams (overlap.py; in the graph key); 0: never, the default until measured on a GPU
+        # windows with at least this many running rows run each step as two halves on two streams
+        # (overlap.py; in the graph key); 0: never, the default until measured on a GPU
         self.overlap_min_rows = 0
         self.side_stream = torch.cuda.Stream(self.device) if self.on_gpu else None
         self.pool = None
@@ -95,8 +95,8 @@ class ModelRunner:
         self.inputs: DecodeInputs | None = None   # decode buffers, made on first use (see allocate)
         self.no_threshold: torch.Tensor | None = None   # [R] -inf: the sampler's threshold when nothing is cut
         self.kv_bytes = 0                     # KV cache of the current session
-        self._group_key: tuple | None = None  # running set whose cascade plan _group_plan is
-        self._group_plan: GroupPlan = no_groups(0)
+        self._group_key: tuple | None = None  # running set (and split) whose cascade plan _group_plan is
+        self._group_plan: list[tuple[int, GroupPlan]] = []
 
     # ---- session -------------------------------------------------------------------------------
     def page_bytes(self) -> int:
@@ -243,8 +243,9 @@ class ModelRunner:
         """Final-normed hidden states [hi - lo, H] of step rows [lo, hi)."""
         ids, pos, tables = x.input_ids[lo:hi], x.positions[lo:hi], x.block_tables[lo:hi]
         page = tables.gather(1, (pos // self.page_size)[:, None]).squeeze(1).long()
+        groups = x.groups.rows(lo, hi) if cascade else None     # staged per half with halves: local indices
         ctx = DecodeContext(self.cache, page, pos % self.page_size, tables, (pos + 1).to(torch.int32), splits,
-                            self.on_gpu, x.groups if cascade else None, self.group_splits(hi - lo), self.fp8_kernel)
+                            self.on_gpu, groups, self.group_splits(hi - lo), self.fp8_kernel)
         fused = ctx.attend_qkv if self.on_gpu and self.fuse_prologue else None
         return self.forward.hidden(ids, pos, ctx.attend, fused)
 
@@ -254,8 +255,8 @@ class ModelRunner:
         x = self.inputs.step_inputs(rows)
         if halves:
             h = rows // 2
-            hidden = run_halves(lambda: self._hidden(x, 0, h, False, splits),
-                                lambda: self._hidden(x, h, rows, False, splits), self.side_stream)
+            hidden = run_halves(lambda: self._hidden(x, 0, h, cascade, splits),
+                                lambda: self._hidden(x, h, rows, cascade, splits), self.side_stream)
         else:
             hidden = self._hidden(x, 0, rows, cascade, splits)
         logits = self.forward.logits(hidden)
@@ -278,12 +279,15 @@ class ModelRunner:
             self.pool = graph.pool()
         self.graphs[key] = graph
 
-    def _groups(self, seqs: list[Sequence], rows: int, key: tuple) -> GroupPlan:
-        """plan_groups of this running set (`key`), computed once per running set; none with cascade off."""
+    def _groups(self, seqs: list[Sequence], rows: int, key: tuple, split: int) -> list[tuple[int, GroupPlan]]:
+        """The cascade plan of this running set (`key`) as (first row, plan) parts: one for the whole batch,
+        or (split > 0, halves) one per half, rows indexed within it (a fork group across the split makes
+        a group on each side); computed once per running set; no groups with cascade off."""
         if self._group_key != key:
-            capacity = rows // self.group_splits(rows)
-            self._group_plan = plan_groups(seqs, self.members, self.cascade_min_prefix, capacity) \
-                if self.cascade else no_groups(len(seqs))
+            bounds = [(0, rows)] if not split else [(0, split), (split, rows)]
+            self._group_plan = [(lo, plan_groups(seqs[lo:hi], self.members, self.cascade_min_prefix,
+                                                 (hi - lo) // self.group_splits(hi - lo))
+                                 if self.cascade else no_groups(len(seqs[lo:hi]))) for lo, hi in bounds]
             self._group_key = key
         return self._group_plan
 
@@ -293,20 +297,20 @@ class ModelRunner:
         num = len(seqs)
         rows = self.buckets[bisect.bisect_left(self.buckets, num)] if self.use_cuda_graphs else num
         truncate = any(s.params.truncates for s in seqs)
+        halves = rows >= 2 and 0 < self.overlap_min_rows <= num
         # the running set: serials, not object ids (a new sequence may get a freed one's address)
-        key = (rows, tuple(s.serial for s in seqs), self.cascade)
-        groups = self._groups(seqs, rows, key)
-        cascade = bool(groups.groups)
-        halves = not cascade and rows >= 2 and 0 < self.overlap_min_rows <= num
+        key = (rows, tuple(s.serial for s in seqs), self.cascade, halves)
+        parts = self._groups(seqs, rows, key, rows // 2 if halves else 0)
+        cascade = any(plan.groups for _, plan in parts)
         # the longest context the window reaches (the rows grow by one token a step); with halves, each
         # half's attention gets the split count of a batch its size, so that alone it fills the GPU
         longest = max(s.num_tokens for s in seqs) + window
-        splits = (self.num_splits(num // 2, rows // 2, longest, False) if halves
+        splits = (self.num_splits(num // 2, rows // 2, longest, cascade) if halves
                   else self.num_splits(num, rows, longest, cascade))
         graph_key = (rows, truncate, cascade, splits, halves, self.fuse_prologue, self.fp8_kernel)
         if self.use_cuda_graphs and graph_key not in self.graphs:
             self._capture(graph_key)     # overwrote the buffers: clear() restages them all
-        self.inputs.stage(seqs, rows, key, groups, self.args.vocab_size)
+        self.inputs.stage(seqs, rows, key, parts, self.args.vocab_size)
         toks = torch.empty(window, rows, dtype=torch.int64, device=self.device)
         lps = torch.empty(window, rows, dtype=torch.float32, device=self.device)
         x = self.inputs.step_inputs(rows)
@@ -317,4 +321,4 @@ class ModelRunner:
                 self._step(rows, truncate, cascade, splits, halves)
             toks[i].copy_(x.out_tokens)
             lps[i].copy_(x.out_log_probs)
-        return toks, lps, sum(1 for p in groups.prefix_lens if p > 0)
+        return toks, lps, sum(1 for _, plan in parts for p in plan.prefix_lens if p > 0)

@@ -13,9 +13,13 @@ twice the launches. Each half's attention gets the split count of a batch its si
 either launch alone fills the GPU; when both run at once their programs queue. The LM head and the
 sampler run once, on the joined hidden states.
 
-Not measured on a GPU yet: `bench/rollout_time_split.py --overlap-rows 0,64` runs the long rollout both
-ways on one engine (bench/pending_device.sh overlap). Cascade windows never split (a group's rows
-index the whole batch).
+Cascade windows split too: each half plans its own groups (ModelRunner._groups), its rows and group
+slots indexed within it, so a request's samples that the split separates read their prompt once per
+side rather than once.
+
+Not measured on a GPU yet: `bench/rollout_time_split.py --overlap-rows 0,16` runs the long rollout both
+ways on one engine, `bench/profile_decode.py --overlap-rows` one graphed step (bench/pending_device.sh
+overlap).
 
 On the CPU (and on a GPU without a side stream given) the halves run one after the other, which is
 how the CPU tests check that the halves compute what the whole batch does.
