@@ -58,11 +58,14 @@ def test_model_runner_dispatches_each_rule(tmp_path):
     runner.on_gpu, runner.num_sms = True, 132
     assert runner.num_splits(70, 80, 4096, False) == program_splits(80, 2, 132) == 4
     runner.split_rule = "waves"
-    # 2 KV heads here: 70 real rows pick 8 on the transposed fp8 kernel's 1,188 slots, 6 on the padded
-    # one's 1,056, 3 on the cascade variant's 528, and 60 real rows in the same bucket 8: each input
-    # reaches the rule
+    # 2 KV heads here: 70 real rows pick 8 on the transposed fp8 kernel's 1,188 slots (its cascade row
+    # programs too, "transposed-all"), 6 on the padded one's 1,056, 3 on the padded cascade kernel's
+    # 528, and 60 real rows in the same bucket 8: each input reaches the rule
     assert runner.fp8_kernel == "transposed-all"                        # the engine's default
     assert runner.num_splits(70, 80, 4096, False) == wave_splits(70, 4096, 64, 2, 132 * 9) == 8
+    assert runner.num_splits(70, 80, 4096, True) == 8
+    runner.fp8_kernel = "transposed"                                    # cascade launches: the padded kernel
+    assert runner.num_splits(70, 80, 4096, False) == 8
     assert runner.num_splits(70, 80, 4096, True) == wave_splits(70, 4096, 64, 2, 132 * 4) == 3
     runner.fp8_kernel = "padded"
     assert runner.num_splits(70, 80, 4096, False) == wave_splits(70, 4096, 64, 2, 132 * 8) == 6
@@ -72,8 +75,10 @@ def test_model_runner_dispatches_each_rule(tmp_path):
 def test_resident_programs_by_kernel_variant():
     assert resident_programs(fp8=True, cascade=False, transposed=True) == 9
     assert resident_programs(fp8=True, cascade=False, transposed=False) == 8
-    assert resident_programs(fp8=True, cascade=True, transposed=True) == 4        # the group programs' count
+    assert resident_programs(fp8=True, cascade=True, transposed=True) == 9        # "transposed-all": its own launch
+    assert resident_programs(fp8=True, cascade=True, transposed=False) == 4
     assert all(resident_programs(fp8=False, cascade=c, transposed=t) == 4 for c in (0, 1) for t in (0, 1))
+    assert programs_per_sm(207, 1, 19968) == resident_programs(fp8=True, cascade=True, transposed=True)   # offline
     # the counts follow from the sm_90 compiles splits.py cites (registers, warps, shared bytes)
     assert programs_per_sm(205, 1, 19968) == resident_programs(fp8=True, cascade=False, transposed=True)
     assert programs_per_sm(255, 1, 20992) == resident_programs(fp8=True, cascade=False, transposed=False)
@@ -85,7 +90,7 @@ def test_resident_programs_by_kernel_variant():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fp8,cascade,transposed", [(True, False, True), (True, False, False), (True, True, False),
-                                                   (False, False, False)])
+                                                   (True, True, True), (False, False, False)])
 def test_resident_programs_match_the_compiled_kernel(fp8, cascade, transposed):
     """The counts splits.py states, from the registers and shared memory of the kernel as compiled
     here: a Triton or driver change that moves the occupancy fails this rather than slowing decode."""

@@ -196,6 +196,12 @@ class PrefillContext:
 FP8_KERNELS = ("padded", "transposed", "transposed-all")
 
 
+def rows_transposed(fp8_kernel: str, cascade: bool) -> bool:
+    """Whether a launch's row programs run kernels_transposed.py's kernel (an fp8 cache's, V dim-major)
+    under the kernel name `fp8_kernel`, for a launch with (`cascade`) or without cascade groups."""
+    return fp8_kernel == "transposed-all" or (fp8_kernel == "transposed" and not cascade)
+
+
 @dataclass
 class DecodeContext:
     cache: PagedKVCache
@@ -234,8 +240,8 @@ class DecodeContext:
             from furlong.engine.kernels import paged_decode_attention
             return paged_decode_attention(q, c.keys, c.values, self.block_tables, self.context_lens, self.num_splits,
                                           prefix=self.prefix, group_splits=self.group_splits,
-                                          transposed=self.fp8_kernel == "transposed-all" or
-                                          (self.fp8_kernel == "transposed" and self.prefix is None), **scales)
+                                          transposed=rows_transposed(self.fp8_kernel, self.prefix is not None),
+                                          **scales)
         if self.prefix is not None:
             return cascade_attention_reference(q, c.keys, c.values, self.block_tables, self.context_lens,
                                                self.prefix, **scales)

@@ -39,7 +39,7 @@ from furlong.engine.cascade import GroupPlan, cascade_members, no_groups, plan_g
 from furlong.engine.decode_inputs import DecodeInputs, StepInputs, sampling_rows
 from furlong.engine.forward import EngineForward
 from furlong.engine.host_copy import to_device
-from furlong.engine.kv_cache import DecodeContext, KVLayout, PagedKVCache, PrefillContext
+from furlong.engine.kv_cache import DecodeContext, KVLayout, PagedKVCache, PrefillContext, rows_transposed
 from furlong.engine.kv_fp8 import FP8, kv_storage_dtype
 from furlong.engine.overlap import run_halves
 from furlong.engine.plan import Plan, PrefillItem
@@ -228,7 +228,7 @@ class ModelRunner:
             return 1
         if self.split_rule == "programs":
             return program_splits(padded_rows, self.args.num_kv_heads, self.num_sms)
-        slots = self.num_sms * resident_programs(self.layout.scaled, cascade, self.fp8_kernel != "padded")
+        slots = self.num_sms * resident_programs(self.layout.scaled, cascade, rows_transposed(self.fp8_kernel, cascade))
         # 64: the kernel's default tile (kernels.paged_decode_attention's block_n, at most a page)
         return wave_splits(num_rows, longest, min(64, self.page_size), self.args.num_kv_heads, slots)
 

@@ -27,8 +27,9 @@ against 62.7 s, and the wave rule captures ~30 more graphs as contexts grow. So 
 Resident programs per multiprocessor come from the kernels' register use as Triton 3.6 compiles them
 for sm_90 (bench/kernel_sass.py): the padded fp8 kernel at 1 warp 255 registers (8 warps of
 256-register allocations fill a 64K register file: 8), the transposed one (kernels_transposed.py, the
-engine's fp8 default) 205 (9), fp8 at 2 warps (cascade, padded) 202 (4), bf16 at 4 warps 115 (4); shared
-memory (20-39 KB a program) is not the limit. A GPU test checks these against the compiled kernels.
+engine's fp8 default) 205 (9) and in a cascade launch's row programs 207 (9), fp8 at 2 warps (cascade,
+padded) 202 (4), bf16 at 4 warps 115 (4); shared memory (20-39 KB a program) is not the limit. A GPU
+test checks these against the compiled kernels.
 """
 from __future__ import annotations
 
@@ -47,14 +48,13 @@ def programs_per_sm(n_regs: int, num_warps: int, shared_bytes: int, smem_per_sm:
 
 
 def resident_programs(fp8: bool, cascade: bool, transposed: bool) -> int:
-    """Decode kernel programs one sm_90 multiprocessor holds at once, as the engine launches them
+    """A launch's row programs one sm_90 multiprocessor holds at once, as the engine launches them
     (kernels.paged_decode_attention's default warps: fp8 1, or 2 with cascade groups; bf16 4);
-    `transposed`: an fp8 launch without cascade groups runs kernels_transposed.py's kernel. A cascade
-    launch counts its group programs' 4 (with ModelRunner.fp8_kernel "transposed-all" its row programs
-    would hold 9: the wave rule, not the engine's, then undercounts them)."""
+    `transposed`: the row programs run kernels_transposed.py's kernel (kv_cache.rows_transposed), at 1
+    warp with or without cascade groups (those launch the group programs apart)."""
     if not fp8:
         return 4
-    return 4 if cascade else 9 if transposed else 8
+    return 9 if transposed else 4 if cascade else 8
 
 
 def program_splits(rows: int, num_kv_heads: int, num_sms: int, cap: int = 16) -> int:
