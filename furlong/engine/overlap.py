@@ -6,8 +6,8 @@ norm, prologue and combine kernels are a few microseconds each (BENCHMARKS.md se
 1.2-1.3 ms a step over the long rollout, ~10 s of its 58 (issue 21). No library or autotuned kernel
 does better (session 26). The rows of a decode step are independent, so splitting them into two
 halves, each a whole forward on its own stream, gives the GPU two chains of kernels to run side by
-side: two latency-bound matmuls take about as long as one, and a half's attention (bandwidth-bound)
-streams while the other half's small kernels run. The price: each half reads every layer weight
+side. The expectation (not yet measured): two latency-bound matmuls side by side take about as long
+as one, and a half's attention (bandwidth-bound) streams while the other half's small kernels run. The price: each half reads every layer weight
 (1.2 GB at Qwen3-0.6B; the halves run close together, so much of the second read may hit L2) and
 twice the launches. Each half's attention gets the split count of a batch its size (ModelRunner), so
 either launch alone fills the GPU; when both run at once their programs queue. The LM head and the
