@@ -2,15 +2,15 @@
 # The device measurements still owed by the open issues, batched into device calls
 # whose pieces' timeouts add up to <= 560 s, most important first (a session's 30 device minutes hold
 # about three, fewer when starts fail).
-# Run on an H200 in session 23 (BENCHMARKS.md): `either` (its h200 branch: 8B trains, 15.7 s a train step; the
-# long rollout 51.4 s fp8, 75.5 s bf16) and call2's decode probe. Run on an H100 in session 25: `transposed`
-# (the transposed fp8 kernel: long rollout 60.9 -> 57.7 s, now the engine's default) and `rows`; in session
-# 26: `transposed` again (62.9 -> 58.2 s), `cascade` (72.2 -> 64.1 s: "transposed-all" is now the default)
-# and `levers` (no library, autotuner or kernel-setting lever for the decode step's fixed cost). Still
-# owed, most important first: `overlap` (the step's rows as two halves on two streams: the one lever left
-# that could take a large part of the fixed ~1.3 ms a step), `fixed` (inductor's PDL, a split-K matmul),
-# `transposed` on an H200 (issue 21's own card: against session 23's 51.4 s), `rows` on an H200 (issue
-# 20's table is the H200's), whether 8B fits an H100 (`h100`).
+# Run already (BENCHMARKS.md): on an H200 `either` (its h200 branch: 8B trains, 15.7 s a train step; the long
+# rollout 51.4 s fp8 with the padded kernel, 75.5 s bf16) and call2's decode probe; on an H100 `transposed`
+# (the transposed fp8 kernel: long rollout 60.9 -> 57.7 s and 62.9 -> 58.2 s on two machines),
+# `cascade` (72.2 -> 64.1 s: "transposed-all" is the default), `levers` (no library, autotuner or
+# kernel-setting lever for the decode step's fixed cost) and `rows`. Still owed, most important first:
+# `overlap` (the step's rows as two halves on two streams: the one lever left that could take a large
+# part of the fixed ~1.3 ms a step), `fixed` (inductor's PDL, a split-K matmul), `transposed` on an H200
+# (issue 21's own card: against the padded kernel's 51.4 s), `rows` on an H200 (issue 20's table is the
+# H200's), whether 8B fits an H100 (`h100`).
 #   bash bench/pending_device.sh overlap|fixed|transposed|cascade|rows|levers|h100|call0|h200|either|call1|call2|call3
 # overlap decode steps as two halves of the rows on two streams (engine/overlap.py, ModelRunner.overlap_min_rows;
 #        off by default, never run on a GPU): its GPU test (graphs with the halves against a plain argmax

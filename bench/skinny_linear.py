@@ -2,7 +2,7 @@
 the CPU under TRITON_INTERPRET=1).
 
 Why: a decode step multiplies B <= 256 rows by every weight once. cuBLAS takes 5.5-8.6 us per layer
-projection at any B (BENCHMARKS.md sessions 19 and 26), 21-27% of the weight-read floor for the N=1024
+projection at any B on an H100 (BENCHMARKS.md), 20-27% of the weight-read floor for the N=1024
 projections (o, down), whose few output tiles leave most multiprocessors idle. Splitting K gives every
 multiprocessor a slice of the weight: grid (N / BLOCK_N, SPLIT_K, ceil(M / BLOCK_M)); each program
 multiplies its K range into an fp32 tile. With SPLIT_K > 1 each writes its partial tile to a workspace

@@ -20,7 +20,7 @@ P.V accumulate), it compiled to 1,063 at 8 columns and 1,574 at 16: most of the 
 6,144-token contexts (B=256 to 12), 0.98x at B=256 x 1,024, and the long rollout 60.9 -> 57.7 s
 (BENCHMARKS.md). With its row programs in cascade launches too ("transposed-all", the engine's default
 for fp8: kv_cache.FP8_KERNELS) the long rollout with prompts of 260-596 tokens, which form cascade groups,
-took 64.1 s against 72.2 s with those launches left to the padded kernel (H100, session 26).
+took 64.1 s against 72.2 s with those launches left to the padded kernel (H100).
 
 Same inputs, scales, splits and outputs as the padded kernel's non-cascade programs (kernels.py's
 docstring), so its partial outputs go to the same combine kernel. fp8 only, V dim-major only. In a

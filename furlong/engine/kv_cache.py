@@ -192,7 +192,7 @@ class PrefillContext:
 # an fp8 cache's decode attention kernel, by name (ModelRunner.fp8_kernel): "padded", kernels.py's for every
 # launch; "transposed", kernels_transposed.py's for launches without cascade groups (1.06x over the long
 # rollout on an H100); "transposed-all" (the engine's default), also a cascade launch's row programs (1.13x
-# over the long rollout with prompts past the cascade threshold, H100; BENCHMARKS.md session 26)
+# over the long rollout with 260-596-token prompts, past the cascade threshold, on an H100; BENCHMARKS.md)
 FP8_KERNELS = ("padded", "transposed", "transposed-all")
 
 

@@ -2,9 +2,9 @@
 
 Why: a decode step's non-attention kernels are latency-bound. Each of a layer's four matmuls takes
 5.7-8.6 us on an H100 whatever the batch (16 to 256 rows), 20-52% of its weight-read floor, and the
-norm, prologue and combine kernels are a few microseconds each (BENCHMARKS.md sessions 19 and 26): about
-1.2-1.3 ms a step over the long rollout, ~10 s of its 58 (issue 21). No library or autotuned kernel
-does better (session 26). The rows of a decode step are independent, so splitting them into two
+norm, prologue and combine kernels are a few microseconds each (BENCHMARKS.md): about 1.2-1.3 ms a
+step over the long rollout, ~10 s of its 58 on an H100 (issue 21). Neither cuBLASLt (within 3% of
+cuBLAS) nor inductor's autotuned Triton templates (slower at every batch) do better. The rows of a decode step are independent, so splitting them into two
 halves, each a whole forward on its own stream, gives the GPU two chains of kernels to run side by
 side. The expectation (not yet measured): two latency-bound matmuls side by side take about as long
 as one, and a half's attention (bandwidth-bound) streams while the other half's small kernels run. The price: each half reads every layer weight
