@@ -5,7 +5,7 @@ kinds of forward the scheduler plans:
 
   prefill  one packed varlen forward over the new tokens of several sequences
            (eager: its token count changes every time), writing their K/V into
-           the cache; logits only at each sequence's last position.
+           the cache; logits only at each sequence's last position (prefill.py).
   decode   a window of `window` steps over the running rows, each step one
            token per row. A step reads its inputs from static buffers and, on
            the GPU, advances them itself (sampled token -> next input,
@@ -36,14 +36,13 @@ import torch
 
 from furlong.engine.cache_memory import CacheMemory
 from furlong.engine.cascade import GroupPlan, cascade_members, no_groups, plan_groups
-from furlong.engine.decode_inputs import DecodeInputs, StepInputs, sampling_rows
+from furlong.engine.decode_inputs import DecodeInputs, StepInputs
 from furlong.engine.forward import EngineForward
-from furlong.engine.host_copy import to_device
-from furlong.engine.kv_cache import DecodeContext, KVLayout, PagedKVCache, PrefillContext, rows_transposed
+from furlong.engine.kv_cache import DecodeContext, KVLayout, PagedKVCache, rows_transposed
 from furlong.engine.kv_fp8 import FP8, kv_storage_dtype
 from furlong.engine.overlap import run_halves
 from furlong.engine.plan import Plan, PrefillItem
-from furlong.engine.prefix_prefill import prefix_prefill_context
+from furlong.engine.prefill import launch_prefill
 from furlong.engine.sampling import SamplingRows, row_thresholds, sample_reference
 from furlong.engine.sequence import Sequence, StepOutput
 from furlong.engine.splits import program_splits, resident_programs, wave_splits
@@ -186,38 +185,10 @@ class ModelRunner:
     def decode(self, seqs: list[Sequence], window: int) -> StepOutput:
         return self.run(Plan(prefill=[], decode=seqs, window=window))
 
-    # ---- prefill -------------------------------------------------------------------------------
     def _launch_prefill(self, items: list[PrefillItem]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Packed forward over each item's token_ids at positions start.. (slots from its first sequence's
-        block table; a continuation's tokens also attend to its cached prefix, prefix_prefill.py), the
-        items' page copies, then the first new token of every sequence (an item's n samples share its
-        last position's logits): (tokens, log_probs) [N] on the device, nothing waited for."""
-        ids, pos, pages, offs, cu = [], [], [], [], [0]
-        ps = self.page_size
-        for item in items:
-            table = item.sequences[0].block_table
-            n, start = len(item.token_ids), item.start
-            ids.extend(item.token_ids)
-            pos.extend(range(start, start + n))
-            pages.extend(table[i // ps] for i in range(start, start + n))
-            offs.extend(i % ps for i in range(start, start + n))
-            cu.append(cu[-1] + n)
-        dev = self.device
-        as_t = lambda x, dt=torch.int64: to_device(x, dt, dev)  # noqa: E731
-        ctx = PrefillContext(self.cache, as_t(pages), as_t(offs), as_t(cu, torch.int32),
-                             max(b - a for a, b in zip(cu[:-1], cu[1:])))
-        if any(item.start for item in items):
-            ctx = prefix_prefill_context(ctx, items, dev)
-        hidden = self.forward.hidden(as_t(ids), as_t(pos), ctx.attend)                    # [T, H]
-        logits = self.forward.logits(hidden[as_t(cu[1:]) - 1])                            # [N, V]
-        copies = [c for item in items for c in item.page_copies]
-        self.cache.copy_pages([a for a, _ in copies], [b for _, b in copies])
-        seqs = [s for item in items for s in item.sequences]
-        reps = as_t([len(item.sequences) for item in items])
-        logits = logits.repeat_interleave(reps, dim=0, output_size=len(seqs))   # output_size: no sync
-        positions = [item.start + len(item.token_ids) for item in items for _ in item.sequences]
-        rows = sampling_rows(seqs, self.args.vocab_size, positions, dev)
-        return self.sample(logits, rows, truncate=any(s.params.truncates for s in seqs))
+        """prefill.launch_prefill over this runner's cache, forward and sampler: (tokens, log_probs) [N]."""
+        return launch_prefill(items, self.cache, self.forward, self.sample, self.page_size, self.args.vocab_size,
+                              self.device)
 
     # ---- decode --------------------------------------------------------------------------------
     def num_splits(self, num_rows: int, padded_rows: int, longest: int, cascade: bool) -> int:
