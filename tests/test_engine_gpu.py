@@ -134,8 +134,11 @@ class NullTok:
         return ""
 
 
+@pytest.mark.parametrize("overlap_min_rows", [0, 2])
 @torch.inference_mode()
-def test_engine_greedy_equals_no_cache_loop_with_graphs():
+def test_engine_greedy_equals_no_cache_loop_with_graphs(overlap_min_rows):
+    """overlap_min_rows 2: windows of 2+ rows run as two halves, the second on a side stream inside the
+    captured graphs, cascade groups planned per half (overlap.py)."""
     from furlong.engine import Engine, EngineConfig, Request, SamplingParams
     model = small_model(torch.float32)
     g = torch.Generator().manual_seed(0)
@@ -143,12 +146,15 @@ def test_engine_greedy_equals_no_cache_loop_with_graphs():
     news = [40, 9, 70, 3, 66, 17, 129]
     eng = Engine(model, NullTok(), [], EngineConfig(max_model_len=400, max_num_seqs=8, decode_window=8,
                                                     cascade_min_prefix=1))
+    eng.runner.overlap_min_rows = overlap_min_rows
     reqs = [Request(i, p, SamplingParams(temperature=0, max_new_tokens=k, ignore_eos=True), n=1 + i % 3)
             for i, (p, k) in enumerate(zip(prompts, news))]
     out = eng.generate(reqs)
     assert eng.runner.graphs, "decode ran without CUDA graphs"
     # graph keys: (rows, truncate, cascade, splits, halves, fuse_prologue, fp8_kernel)
     assert any(key[2] for key in eng.runner.graphs), "no window ran cascade attention"
+    if overlap_min_rows:
+        assert any(key[2] and key[4] for key in eng.runner.graphs), "no window ran as halves with cascade groups"
     assert eng.stats.num_grouped_rows > 0
     eng.release()
     for r, comps in zip(reqs, out):

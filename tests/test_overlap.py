@@ -1,7 +1,8 @@
 """Decode steps as two halves (overlap.py, ModelRunner.overlap_min_rows) on CPU: the halves run one after
 the other here, so this checks what the GPU's two streams compute: each half's rows attend to their
 own KV, at their own positions, through cascade groups planned within the half, and the joined hidden
-states sample what the whole batch does."""
+states sample what the whole batch does. The GPU path (two streams inside captured graphs) is
+test_engine_gpu.py's graph test with overlap_min_rows 2."""
 from __future__ import annotations
 
 import pytest
@@ -104,32 +105,3 @@ def test_run_halves_without_a_side_stream_joins_in_order():
     out = run_halves(lambda: torch.tensor([[1.0], [2.0]]), lambda: torch.tensor([[3.0]]), None)
     assert out.tolist() == [[1.0], [2.0], [3.0]]
 
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@torch.inference_mode()
-def test_halves_on_two_streams_in_cuda_graphs_decode_greedy_as_a_plain_loop():
-    """The GPU path: each half's forward on its own stream inside the captured graphs (fp32, greedy; 1-3
-    samples a request, so some windows read through cascade groups planned per half), against a plain
-    no-cache argmax loop, as test_engine_gpu's graph test does for the whole batch."""
-    from test_engine_gpu import NullTok, small_model
-    model = small_model(torch.float32)
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in (5, 70, 33, 128, 1, 64, 90)]
-    news = [40, 9, 70, 3, 66, 17, 129]
-    eng = Engine(model, NullTok(), [], EngineConfig(max_model_len=400, max_num_seqs=8, decode_window=8,
-                                                    cascade_min_prefix=1))
-    eng.runner.overlap_min_rows = 2
-    reqs = [Request(i, p, SamplingParams(temperature=0, max_new_tokens=k, ignore_eos=True), n=1 + i % 3)
-            for i, (p, k) in enumerate(zip(prompts, news))]
-    out = eng.generate(reqs)
-    # graph keys: (rows, truncate, cascade, splits, halves, fuse_prologue, fp8_kernel)
-    assert any(key[4] for key in eng.runner.graphs), "no window ran as two halves"
-    assert any(key[2] and key[4] for key in eng.runner.graphs), "no window ran as halves with cascade groups"
-    eng.release()
-    for r, comps in zip(reqs, out):
-        ids = list(r.prompt_ids)
-        for _ in range(r.params.max_new_tokens):
-            ids.append(int(model(torch.tensor([ids], device="cuda"))[0, -1].argmax()))
-        for c in comps:
-            assert c.token_ids == ids[len(r.prompt_ids):], f"request {r.request_id} sample {c.index}"
