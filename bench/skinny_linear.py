@@ -19,6 +19,7 @@ Not in the engine: wired in only if the sweep shows it beating cuBLAS at the dec
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -113,9 +114,9 @@ def candidate_configs(m: int, k: int, n: int, num_sms: int) -> list[SkinnyConfig
         tiles = (n // block_n) * -(-m // block_m)
         for want in (num_sms, 2 * num_sms):
             split = max(1, min(16, 1 << max(0, (-(-want // tiles) - 1).bit_length())))
-            while split > 1 and k % (128 * split):
-                split //= 2
             c = SkinnyConfig(block_m, block_n, 128, split, 4, 4)
+            while c.split_k > 1 and not c.fits(m, k, n):          # halve the split until K tiles evenly
+                c = dataclasses.replace(c, split_k=c.split_k // 2)
             if c.fits(m, k, n) and c not in out:
                 out.append(c)
     return out
